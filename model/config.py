@@ -1,0 +1,366 @@
+"""The model's hyper-parameters: one dataclass, read from either JSON form of the checkpoint.
+
+Field names follow the reference's ``ModelArgs`` (``dim``, ``n_dense_layers``, ...), so the code
+reads like the official inference code; :meth:`ModelArgs.from_hf` maps a Hugging Face
+``config.json`` (``hidden_size``, ``first_k_dense_replace``, ...) onto them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot describe a DeepSeek-V3.2 model."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """DeepSeek-V3.2 architecture; defaults are the reference's ``ModelArgs`` defaults."""
+
+    # vocabulary and widths
+    vocab_size: int = 102400
+    dim: int = 2048  # d, the residual stream width
+    inter_dim: int = 10944  # hidden width of the dense MLP blocks
+    moe_inter_dim: int = 1408  # hidden width of one expert
+    n_layers: int = 27  # transformer blocks (the MTP module not included)
+    n_dense_layers: int = 1  # the first blocks use a dense MLP instead of MoE
+    n_heads: int = 16
+    norm_eps: float = 1e-6
+    # mixture of experts
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    n_activated_experts: int = 6  # k, experts per token
+    n_expert_groups: int = 1
+    n_limited_groups: int = 1  # groups a token may route to
+    score_func: str = "softmax"  # "softmax" | "sigmoid"
+    route_scale: float = 1.0
+    # None: a checkpoint decides (it has e_score_correction_bias or not); a config alone decides
+    # from topk_method ("noaux_tc") or, for the reference's JSON, from score_func == "sigmoid".
+    gate_bias: bool | None = None
+    # multi-head latent attention
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # rotary embedding with YaRN
+    max_seq_len: int = 4096 * 4  # the reference applies YaRN only when this exceeds original_seq_len
+    original_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    rope_factor: float = 40
+    beta_fast: int = 32
+    beta_slow: int = 1
+    mscale: float = 1.0
+    # lightning indexer (DeepSeek Sparse Attention)
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    # storage
+    dtype: str = "bf16"  # weights of the linear layers: "fp8" (e4m3, 128x128 block scales) | "bf16"
+    scale_fmt: str | None = None  # "ue8m0": power-of-two activation scales
+    n_mtp_layers: int = 0  # multi-token-prediction modules stored after the blocks (not run)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.q_lora_rank <= 0:
+            problems.append("q_lora_rank must be positive (the indexer reads the query latent)")
+        if self.n_routed_experts % max(self.n_expert_groups, 1):
+            problems.append("n_routed_experts must be a multiple of n_expert_groups")
+        if not 0 < self.n_limited_groups <= self.n_expert_groups:
+            problems.append("n_limited_groups must be between 1 and n_expert_groups")
+        if self.n_activated_experts > self.n_routed_experts:
+            problems.append("n_activated_experts exceeds n_routed_experts")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            problems.append("qk_rope_head_dim must be even and at most index_head_dim")
+        if self.index_head_dim & (self.index_head_dim - 1):
+            problems.append("index_head_dim must be a power of two (Hadamard rotation)")
+        if self.score_func not in ("softmax", "sigmoid"):
+            problems.append(f"score_func must be softmax or sigmoid, not {self.score_func!r}")
+        if self.dtype not in ("fp8", "bf16"):
+            problems.append(f"dtype must be fp8 or bf16, not {self.dtype!r}")
+        if self.scale_fmt not in (None, "ue8m0"):
+            problems.append(f"scale_fmt must be ue8m0 or absent, not {self.scale_fmt!r}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "index_topk", "index_n_heads"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    # derived quantities ------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        return max(self.n_layers - self.n_dense_layers, 0)
+
+    @property
+    def use_yarn(self) -> bool:
+        """The reference extends RoPE with YaRN only when max_seq_len > original_seq_len."""
+        return self.max_seq_len > self.original_seq_len
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA's 1/sqrt(d_qk), times YaRN's mscale squared when YaRN is on."""
+        scale = self.qk_head_dim**-0.5
+        if self.use_yarn:
+            mscale = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
+            scale = scale * mscale * mscale
+        return scale
+
+    @property
+    def has_gate_bias(self) -> bool:
+        return bool(self.gate_bias) if self.gate_bias is not None else self.score_func == "sigmoid"
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.n_routed_experts // self.n_expert_groups
+
+    def is_moe(self, layer_id: int) -> bool:
+        return layer_id >= self.n_dense_layers
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        return dataclasses.replace(self, **changes)
+
+    # JSON forms ---------------------------------------------------------------------------
+    @classmethod
+    def from_reference(cls, data: dict[str, Any]) -> ModelArgs:
+        """The reference's own JSON (``inference/config_671B_v3.2.json``)."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        args = {k: v for k, v in data.items() if k in known}
+        extra = {k: v for k, v in data.items() if k not in known}
+        if "max_batch_size" in extra:
+            extra.pop("max_batch_size")
+        return _build(cls, args, extra, "reference config")
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any]) -> ModelArgs:
+        """A Hugging Face ``config.json`` of model_type ``deepseek_v32``."""
+        model_type = data.get("model_type")
+        if model_type not in ("deepseek_v32", "deepseek_v3"):
+            raise ConfigError(f"model_type is {model_type!r}, expected 'deepseek_v32'")
+
+        def need(key: str) -> Any:
+            if key not in data:
+                raise ConfigError(f"config.json: missing field {key!r}")
+            return data[key]
+
+        quant = data.get("quantization_config") or {}
+        if quant:
+            if quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+                raise ConfigError(f"config.json: unsupported quantization_config {quant}")
+            block = quant.get("weight_block_size", [128, 128])
+            if list(block) != [128, 128]:
+                raise ConfigError(f"config.json: weight_block_size {block}, expected [128, 128]")
+        rope = data.get("rope_scaling") or {}
+        max_pos = int(need("max_position_embeddings"))
+        args: dict[str, Any] = dict(
+            vocab_size=need("vocab_size"),
+            dim=need("hidden_size"),
+            inter_dim=need("intermediate_size"),
+            moe_inter_dim=need("moe_intermediate_size"),
+            n_layers=need("num_hidden_layers"),
+            n_dense_layers=need("first_k_dense_replace"),
+            n_heads=need("num_attention_heads"),
+            norm_eps=data.get("rms_norm_eps", 1e-6),
+            n_routed_experts=need("n_routed_experts"),
+            n_shared_experts=need("n_shared_experts"),
+            n_activated_experts=need("num_experts_per_tok"),
+            n_expert_groups=need("n_group"),
+            n_limited_groups=need("topk_group"),
+            score_func=data.get("scoring_func", "sigmoid"),
+            route_scale=data.get("routed_scaling_factor", 1.0),
+            gate_bias=data.get("topk_method", "noaux_tc") == "noaux_tc",
+            q_lora_rank=need("q_lora_rank"),
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=need("qk_nope_head_dim"),
+            qk_rope_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+            max_seq_len=max_pos,
+            rope_theta=data.get("rope_theta", 10000.0),
+            index_n_heads=need("index_n_heads"),
+            index_head_dim=need("index_head_dim"),
+            index_topk=need("index_topk"),
+            dtype="fp8" if quant else "bf16",
+            scale_fmt=quant.get("scale_fmt") if quant else None,
+            n_mtp_layers=data.get("num_nextn_predict_layers", 0),
+            bos_token_id=data.get("bos_token_id"),
+            eos_token_id=data.get("eos_token_id"),
+        )
+        if data.get("norm_topk_prob") is False and args["score_func"] == "sigmoid":
+            raise ConfigError("config.json: norm_topk_prob false is not supported with sigmoid routing")
+        if rope:
+            kind = rope.get("type", rope.get("rope_type"))
+            if kind != "yarn":
+                raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (yarn only)")
+            args.update(
+                original_seq_len=rope.get("original_max_position_embeddings", 4096),
+                rope_factor=rope.get("factor", 1.0),
+                beta_fast=rope.get("beta_fast", 32),
+                beta_slow=rope.get("beta_slow", 1),
+                mscale=rope.get("mscale_all_dim", rope.get("mscale", 1.0)),
+            )
+        else:  # plain RoPE: make the YaRN condition false
+            args.update(original_seq_len=max_pos, rope_factor=1.0)
+        return _build(cls, args, {"hf": data}, "config.json")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelArgs:
+        """Either form, told apart by ``model_type`` (only the Hugging Face form has one)."""
+        if not isinstance(data, dict):
+            raise ConfigError("a config must be a JSON object")
+        return cls.from_hf(data) if "model_type" in data else cls.from_reference(data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelArgs:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable JSON config ({exc})") from None
+        try:
+            return cls.from_json(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+    def to_reference(self) -> dict[str, Any]:
+        """The reference's JSON form (the one its ``generate.py`` reads)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("extra", "gate_bias", "n_mtp_layers", "bos_token_id", "eos_token_id")
+        }
+        return out
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face ``config.json`` (model_type ``deepseek_v32``) for this model."""
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "model_type": "deepseek_v32",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.inter_dim,
+            "moe_intermediate_size": self.moe_inter_dim,
+            "num_hidden_layers": self.n_layers,
+            "first_k_dense_replace": self.n_dense_layers,
+            "moe_layer_freq": 1,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_heads,
+            "rms_norm_eps": self.norm_eps,
+            "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts,
+            "num_experts_per_tok": self.n_activated_experts,
+            "n_group": self.n_expert_groups,
+            "topk_group": self.n_limited_groups,
+            "scoring_func": self.score_func,
+            "routed_scaling_factor": self.route_scale,
+            "topk_method": "noaux_tc" if self.has_gate_bias else "greedy",
+            "norm_topk_prob": True,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+            "num_nextn_predict_layers": self.n_mtp_layers,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            out["eos_token_id"] = self.eos_token_id
+        if self.use_yarn:
+            out["rope_scaling"] = {
+                "type": "yarn",
+                "factor": self.rope_factor,
+                "original_max_position_embeddings": self.original_seq_len,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                "mscale": self.mscale,
+                "mscale_all_dim": self.mscale,
+            }
+        else:
+            out["rope_scaling"] = None
+        if self.dtype == "fp8":
+            quant: dict[str, Any] = {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+            }
+            if self.scale_fmt:
+                quant["scale_fmt"] = self.scale_fmt
+            out["quantization_config"] = quant
+        return out
+
+
+def _build(cls: type[ModelArgs], args: dict[str, Any], extra: dict[str, Any], where: str) -> ModelArgs:
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    for key, value in args.items():
+        kind = types[key]
+        if value is None:
+            continue
+        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            if isinstance(value, float) and value.is_integer():
+                args[key] = int(value)
+            else:
+                raise ConfigError(f"{where}: {key} must be an integer, not {value!r}")
+        if kind == "float" and not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: {key} must be a number, not {value!r}")
+    try:
+        return cls(**args, extra=extra)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+# A tiny configuration for tests: every mechanism active (query LoRA, YaRN, grouped sigmoid
+# routing with the correction bias, a dense first block, an indexer that prunes), widths that are
+# multiples of the 128 FP8 block, and a 192-row kv_a projection whose last weight block is partial.
+TINY = ModelArgs(
+    vocab_size=512,
+    dim=256,
+    inter_dim=384,
+    moe_inter_dim=128,
+    n_layers=3,
+    n_dense_layers=1,
+    n_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    n_activated_experts=4,
+    n_expert_groups=4,
+    n_limited_groups=2,
+    score_func="sigmoid",
+    route_scale=2.5,
+    gate_bias=True,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=64,
+    v_head_dim=32,
+    index_n_heads=4,
+    index_head_dim=128,
+    index_topk=8,
+    dtype="fp8",
+    scale_fmt="ue8m0",
+)

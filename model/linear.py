@@ -1,0 +1,64 @@
+"""The linear layer: FP8 e4m3 weights with 128x128 block scales, or plain 16/32-bit weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fp8
+
+
+class Linear(nn.Module):
+    """y = x W^T. FP8 weights carry ``scale`` (the checkpoint's ``weight_scale_inv``, one float32 per
+    128x128 block, edge blocks partial) and the input is quantised per 128 values first, as the
+    reference's ``fp8_gemm`` does.
+
+    On the CPU the dequantised float32 weight is kept after first use (FP8 to float conversion is
+    slow there); ``cache_dequantized = False`` turns that off.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype = torch.bfloat16,
+        scale_fmt: str | None = None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scale_fmt = scale_fmt
+        self.cache_dequantized = True
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=dtype != fp8.FP8)
+        if dtype == fp8.FP8:
+            self.scale = nn.Parameter(
+                torch.empty(fp8.scale_shape((out_features, in_features)), dtype=torch.float32), requires_grad=False
+            )
+        else:
+            self.register_parameter("scale", None)
+        self._dequantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return F.linear(x, self.weight.to(x.dtype))
+        return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight())
+
+    def _cached_weight(self) -> torch.Tensor | None:
+        if not self.cache_dequantized or self.weight.device.type != "cpu":
+            return None
+        cached = self._dequantized
+        if cached is None or cached[0] is not self.weight or cached[1] is not self.scale:
+            cached = (self.weight, self.scale, fp8.weight_dequant(self.weight, self.scale))
+            self._dequantized = cached
+        return cached[2]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""
+        if self.scale is None:
+            return self.weight.to(dtype)
+        cached = self._cached_weight()
+        return cached.to(dtype) if cached is not None else fp8.weight_dequant(self.weight, self.scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"

@@ -1,0 +1,113 @@
+"""Feed-forward layers: the dense MLP, and the mixture of experts with its router (``gate``).
+
+Shapes: N tokens (B * T flattened), D dim, E routed experts, G expert groups, k experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs
+from .hooks import HookPoint
+from .linear import Linear
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), the product formed in float32."""
+
+    def __init__(self, dim: int, inter_dim: int, linear_dtype: torch.dtype = torch.bfloat16, scale_fmt: str | None = None):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, linear_dtype, scale_fmt)
+        self.w2 = Linear(inter_dim, dim, linear_dtype, scale_fmt)
+        self.w3 = Linear(dim, inter_dim, linear_dtype, scale_fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2((F.silu(self.w1(x).float()) * self.w3(x).float()).type_as(x))
+
+
+class Expert(MLP):
+    """One routed expert: a SwiGLU MLP of width moe_inter_dim."""
+
+
+class Gate(nn.Module):
+    """The router: sigmoid (or softmax) scores s, the correction bias b used only to choose
+    (groups ranked by the sum of their top-2 biased scores, then the top-k experts inside the
+    chosen groups), gating weights from the unbiased scores, normalised, times route_scale."""
+
+    def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16, bias: bool | None = None):
+        super().__init__()
+        self.dim = args.dim
+        self.topk = args.n_activated_experts
+        self.n_groups = args.n_expert_groups
+        self.topk_groups = args.n_limited_groups
+        self.score_func = args.score_func
+        self.route_scale = args.route_scale
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=weight_dtype))
+        has_bias = args.has_gate_bias if bias is None else bias
+        self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32)) if has_bias else None
+        self.scores = HookPoint("N E")  # s: affinities after sigmoid, before the bias
+        self.biased_scores = HookPoint("N E")  # s + b: what selection ranks
+        self.group_scores = HookPoint("N G")  # per-group score used to pick groups
+        self.groups = HookPoint("N topk_groups")  # chosen groups
+        self.topk_indices = HookPoint("N k")  # chosen experts, best first
+        self.topk_weights = HookPoint("N k")  # their gating weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float())  # (N, E)
+        scores = scores.softmax(dim=-1) if self.score_func == "softmax" else scores.sigmoid()
+        original_scores = scores = self.scores(scores)
+        if self.bias is not None:
+            scores = scores + self.bias
+        scores = self.biased_scores(scores)
+        if self.n_groups > 1:
+            scores = scores.view(x.size(0), self.n_groups, -1)  # (N, G, E/G)
+            if self.bias is None:
+                group_scores = scores.amax(dim=-1)
+            else:
+                group_scores = scores.topk(2, dim=-1)[0].sum(dim=-1)
+            group_scores = self.group_scores(group_scores)  # (N, G)
+            groups = self.groups(group_scores.topk(self.topk_groups, dim=-1)[1])  # (N, topk_groups)
+            mask = scores.new_ones(x.size(0), self.n_groups, dtype=torch.bool).scatter_(1, groups, False)
+            scores = scores.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)  # (N, E)
+        indices = self.topk_indices(scores.topk(self.topk, dim=-1)[1])  # (N, k)
+        weights = original_scores.gather(1, indices)
+        if self.score_func == "sigmoid":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = self.topk_weights(weights * self.route_scale)  # (N, k) float32
+        return weights, indices
+
+
+class MoE(nn.Module):
+    """y = shared_experts(x) + sum over the chosen experts e of weight_e * expert_e(x)."""
+
+    def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16, gate_bias: bool | None = None):
+        super().__init__()
+        linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
+        self.dim = args.dim
+        self.n_routed_experts = args.n_routed_experts
+        self.n_activated_experts = args.n_activated_experts
+        self.gate = Gate(args, weight_dtype, gate_bias)
+        # an entry may be None where this process does not hold the expert (expert parallelism)
+        self.experts = nn.ModuleList(
+            [Expert(args.dim, args.moe_inter_dim, linear, args.scale_fmt) for _ in range(args.n_routed_experts)]
+        )
+        self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, linear, args.scale_fmt)
+        self.routed_out = HookPoint("N D")  # sum of the weighted routed experts, float32
+        self.shared_out = HookPoint("N D")  # the shared expert's output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.size()
+        x = x.view(-1, self.dim)  # (N, D)
+        weights, indices = self.gate(x)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        for i, expert in enumerate(self.experts):
+            if counts[i] == 0 or expert is None:
+                continue
+            idx, top = torch.where(indices == i)
+            y.index_add_(0, idx, expert(x[idx]) * weights[idx, top, None])
+        y = self.routed_out(y)
+        y = y + self.shared_out(self.shared_experts(x))
+        return y.type_as(x).view(shape)

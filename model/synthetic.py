@@ -1,0 +1,65 @@
+"""Synthetic weights with the real names, shapes and dtypes, so the real-size path runs without
+the 690 GB download, and tests get a random model of any config.
+
+Each tensor is drawn from a generator seeded by (seed, its name), on the device asked for, so it is
+the same whenever and wherever it is read (for one device type). Values are scaled like a trained
+model's: FP8 weights use the e4m3 range with a power-of-two block scale giving about 1/sqrt(fan_in)
+per element; norms are ones; the router's bias is small and positive.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+from .checkpoint import TensorSpec, WeightSource, expected_specs
+from .config import ModelArgs
+from .fp8 import FP8
+
+_FP8_STD = 64.0  # fp8 values ~ N(0, 64): well inside +-448 and with full precision
+
+
+class SyntheticSource(WeightSource):
+    """Deterministic tensors for every name :func:`expected_specs` lists for ``args``."""
+
+    def __init__(self, args: ModelArgs, seed: int = 0, gate_bias: bool | None = None):
+        self.args = args
+        self.seed = seed
+        self._specs = expected_specs(args, gate_bias)
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def where(self, name: str) -> str:
+        return f"synthetic:{name}"
+
+    def _generator(self, name: str, device: torch.device) -> torch.Generator:
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF)
+        return gen
+
+    def load(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        spec = self._specs[name]
+        device = torch.device(device)
+        if spec.dtype == FP8:
+            return self._normal(name, spec.shape, device, _FP8_STD).clamp_(-448, 448).to(FP8)
+        if name.endswith("weight_scale_inv"):
+            fan_in = self._specs[name.replace("weight_scale_inv", "weight")].shape[1]
+            # a power of two (ue8m0), making dequantised weights ~ N(0, 1/fan_in)
+            value = 2.0 ** round(math.log2(fan_in**-0.5 / _FP8_STD))
+            return torch.full(spec.shape, value, dtype=torch.float32, device=device)
+        if name.endswith("e_score_correction_bias"):
+            gen = self._generator(name, device)
+            return (torch.rand(spec.shape, generator=gen, device=device) * 0.01).to(spec.dtype)
+        if name.endswith("norm.weight") or "layernorm" in name:
+            return torch.ones(spec.shape, dtype=spec.dtype, device=device)
+        if name.endswith("k_norm.bias"):
+            return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        std = 1.0 if "embed_tokens" in name else spec.shape[-1] ** -0.5
+        return self._normal(name, spec.shape, device, std).to(spec.dtype)
+
+    def _normal(self, name: str, shape: tuple[int, ...], device: torch.device, std: float) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        return out.normal_(0.0, std, generator=self._generator(name, device))

@@ -1,0 +1,156 @@
+"""DeepSeek-V3.2-Exp: embedding, blocks of MLA + (dense MLP | MoE), final norm and head.
+
+Shapes: B batch, T positions, D dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import MLA
+from .cache import Cache, LayerCache
+from .config import ModelArgs
+from .hooks import HookPoint
+from .linear import Linear
+from .moe import MLP, MoE
+from .norm import RMSNorm
+from .rope import precompute_freqs_cis
+
+
+class Embedding(nn.Module):
+    """Token embedding: a learned (V, D) table looked up by token id."""
+
+    def __init__(self, vocab_size: int, dim: int, weight_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.dim = dim
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=weight_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.embedding(x, self.weight)
+
+
+class Block(nn.Module):
+    """attn_norm, MLA, ffn_norm, FFN, with the residual adds where the reference has them: inside
+    the next norm. Each add is formed in float32, named by a hook point (the residual stream),
+    normalised, and carried on rounded to the activation dtype."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        args: ModelArgs,
+        dtype: torch.dtype = torch.bfloat16,
+        weight_dtype: torch.dtype = torch.bfloat16,
+        gate_bias: bool | None = None,
+    ):
+        super().__init__()
+        linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
+        self.layer_id = layer_id
+        self.dtype = dtype  # activations between the float32 sums
+        self.attn = MLA(args, weight_dtype)
+        if layer_id < args.n_dense_layers:
+            self.ffn = MLP(args.dim, args.inter_dim, linear, args.scale_fmt)
+        else:
+            self.ffn = MoE(args, weight_dtype, gate_bias)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, weight_dtype)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, weight_dtype)
+        self.resid_pre = HookPoint("B T D")  # x_n, the stream entering the block (float32 sum)
+        self.attn_out = HookPoint("B T D")  # the attention update
+        self.resid_mid = HookPoint("B T D")  # x'_n = x_n + attention update (float32 sum)
+        self.ffn_out = HookPoint("B T D")  # the FFN update
+        self.resid_post = HookPoint("B T D")  # x_{n+1} = x'_n + FFN update (float32 sum)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        start_pos: int,
+        freqs_cis: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: LayerCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the previous block's FFN update, or the stream itself when residual is None.
+        Returns this block's FFN update and the stream it updates, as it received them."""
+        x, residual = add_norm(self.attn_norm, self.resid_pre, x, residual, self.dtype)
+        x = self.attn_out(self.attn(x, start_pos, freqs_cis, mask, cache))
+        x, residual = add_norm(self.ffn_norm, self.resid_mid, x, residual, self.dtype)
+        x = self.ffn_out(self.ffn(x))
+        if self.resid_post.observed:  # this sum is otherwise first formed inside the next norm
+            stream = x.float() + residual.float()
+            if (patched := self.resid_post(stream)) is not stream:
+                return _like(patched, stream), None
+        return x, residual
+
+
+def add_norm(
+    norm: RMSNorm, point: HookPoint, x: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's fused ``norm(x, residual)``: the stream x + residual in float32, normalised;
+    returns (normalised, stream), both in ``dtype``. ``point`` sees, and may replace, the stream."""
+    stream = x.float() if residual is None else x.float() + residual.float()  # (B, T, D) float32
+    if (patched := point(stream)) is not stream:
+        stream = _like(patched, stream)
+    return norm(stream, dtype), stream.to(dtype)
+
+
+def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    if value.shape != reference.shape:
+        raise ValueError(f"a hook replaced a {tuple(reference.shape)} value with shape {tuple(value.shape)}")
+    return value.to(dtype=reference.dtype, device=reference.device)
+
+
+class Transformer(nn.Module):
+    """The whole model. ``forward`` returns float32 logits of the last position (B, V), or of
+    every position (B, T, V) with ``all_logits``; decoding passes a :class:`Cache` and start_pos.
+
+    ``dtype`` is the activation dtype (bfloat16 as the reference, or float32); ``weight_dtype`` the
+    dtype of every weight that is not FP8 (the checkpoint's bfloat16 by default).
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        dtype: torch.dtype = torch.bfloat16,
+        weight_dtype: torch.dtype = torch.bfloat16,
+        gate_bias: bool | None = None,
+    ):
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+        self.embed = Embedding(args.vocab_size, args.dim, weight_dtype)
+        self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype, gate_bias) for i in range(args.n_layers)])
+        self.norm = RMSNorm(args.dim, args.norm_eps, weight_dtype)
+        self.head = Linear(args.dim, args.vocab_size, weight_dtype)  # applied in float32
+        self.logits = nn.Module()
+        self.logits.last = HookPoint("B V")  # logits of the last position, float32
+        self.logits.all = HookPoint("B T V")  # every position's logits, when asked for
+
+    def new_cache(self) -> Cache:
+        return Cache(len(self.layers))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int = 0,
+        cache: Cache | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        seqlen = tokens.size(1)
+        end_pos = start_pos + seqlen
+        if start_pos and cache is None:
+            raise ValueError("start_pos > 0 needs the cache of the earlier positions")
+        device = tokens.device
+        freqs_cis = precompute_freqs_cis(self.args, end_pos, device)[start_pos:end_pos]
+        # the reference masks only when several positions run at once; one position sees all keys
+        mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
+        h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, start_pos, freqs_cis, mask, cache.layers[i] if cache is not None else None)
+        h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
+        if all_logits:
+            logits = self.logits.all(self.head(h.float()))  # (B, T, V)
+            self.logits.last(logits[:, -1])
+            return logits
+        return self.logits.last(self.head(h[:, -1].float()))  # (B, V)

@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from model import fp8
+
+
+def test_act_quant_error_within_e4m3_bounds():
+    x = torch.randn(64, 512) * torch.logspace(-3, 2, 512)
+    q, s = fp8.act_quant(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4)
+    back = fp8.act_dequant(q, s)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normals, absolute <= 2^-10 * scale below
+    bound = torch.maximum(x.abs() * 2**-4, fp8.expand_scale(s, x.shape) * 2**-9)
+    assert torch.all((back - x).abs() <= bound)
+
+
+def test_ue8m0_scales_are_powers_of_two_and_cover_the_block():
+    x = torch.randn(8, 256) * 37.0
+    q, s = fp8.act_quant(x, "ue8m0")
+    assert torch.equal(s, 2.0 ** torch.log2(s).round())
+    amax = x.abs().view(8, 2, 128).amax(-1)
+    assert torch.all(amax / s <= 448) and torch.all(amax / s > 224)
+
+
+def test_scale_is_amax_over_448_rounded_like_the_kernel():
+    x = torch.zeros(1, 128)
+    x[0, 5] = 3.0
+    _, s = fp8.act_quant(x)
+    assert s.item() == (torch.tensor(3.0) * torch.tensor(1 / 448, dtype=torch.float32)).item()
+    _, s = fp8.act_quant(torch.zeros(1, 128))  # amax clamps at 1e-4
+    assert s.item() == pytest.approx(1e-4 / 448)
+
+
+def test_weight_blocks_are_128_with_partial_edges():
+    w = torch.randn(576, 7168 // 28) * 0.02  # kv_a_proj_with_mqa has 576 rows: 5 row blocks, the last of 64
+    q, s = fp8.weight_quant(w)
+    assert s.shape == (5, 2)
+    back = fp8.weight_dequant(q, s)
+    assert torch.allclose(back, w, rtol=2**-4, atol=float(s.max()) * 2**-9)
+    with pytest.raises(ValueError, match="scale shape"):
+        fp8.weight_dequant(q, s[:4])  # 576 / 128 would be wrong
+
+
+def test_fast_gemm_matches_the_blockwise_kernel_order():
+    torch.manual_seed(0)
+    x = torch.randn(5, 384, dtype=torch.bfloat16)
+    w, s = fp8.weight_quant(torch.randn(200, 384) * 0.05)
+    for fmt in (None, "ue8m0"):
+        fast = fp8.fp8_gemm(x, w, s, fmt, torch.float32)
+        slow = fp8.fp8_gemm_blockwise(x, w, s, fmt, torch.float32)
+        assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_index_is_relu_weighted_sum_over_heads():
+    torch.manual_seed(0)
+    q, qs = fp8.act_quant(torch.randn(1, 3, 4, 128))
+    k, ks = fp8.act_quant(torch.randn(1, 5, 128))
+    w = torch.randn(1, 3, 4)
+    got = fp8.fp8_index(q, w, k, ks.squeeze(-1))
+    want = torch.zeros(1, 3, 5)
+    for t in range(3):
+        for s_ in range(5):
+            for h in range(4):
+                want[0, t, s_] += w[0, t, h] * torch.relu(q[0, t, h].float() @ k[0, s_].float())
+            want[0, t, s_] *= ks[0, s_, 0]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_hadamard_is_orthonormal_in_sylvester_order():
+    x = torch.eye(8)
+    h = fp8.hadamard(x) * 8**0.5
+    assert torch.allclose(h[1], torch.tensor([1.0, -1, 1, -1, 1, -1, 1, -1]))
+    y = torch.randn(3, 128)
+    assert torch.allclose(fp8.hadamard(fp8.hadamard(y)), y, atol=1e-5)
