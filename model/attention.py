@@ -48,7 +48,8 @@ class MLA(nn.Module):
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), linear, fmt)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, linear, fmt)
         self.indexer = Indexer(args, weight_dtype)
-        self.probs = HookPoint("B T H S")  # attention probabilities after the sparse mask
+        self.scores = HookPoint("B T H S")  # scaled logits q.k before any mask (dense attention's input)
+        self.probs = HookPoint("B T H S")  # attention probabilities after the sparse and causal masks
 
     def forward(
         self,
@@ -74,21 +75,21 @@ class MLA(nn.Module):
             kv = cache.kv.write(start_pos, kv)  # (B, S, C)
             k_pe = cache.pe.write(start_pos, k_pe)  # (B, S, R)
         topk_indices = self.indexer(x, qr, start_pos, freqs_cis, mask, cache)  # (B, T, K)
-        index_mask = sparse_mask(topk_indices, end_pos, mask).unsqueeze(2)  # (B, T, 1, S)
+        index_mask = sparse_mask(topk_indices, end_pos, mask).unsqueeze(2).to(x.dtype)  # (B, T, 1, S): 0 or -inf
         if mask is not None:  # prefill: expand the latent to per-head keys and values (MHA)
             q = torch.cat([q_nope, q_pe], dim=-1)  # (B, T, H, Dn + R)
             kv = self.wkv_b(kv).view(bsz, end_pos, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
             k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (B, S, H, .)
             k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.n_heads, -1)], dim=-1)
-            scores = einsum("bshd,bthd->bsht", q, k).mul_(self.softmax_scale)  # (B, T, H, S)
-            scores += index_mask
+            scores = self.scores(einsum("bshd,bthd->bsht", q, k).mul_(self.softmax_scale))  # (B, T, H, S)
+            scores = scores + index_mask
             scores = self.probs(scores.softmax(dim=-1))
             x = einsum("bsht,bthd->bshd", scores, v)  # (B, T, H, Dv)
         else:  # decode: absorb wkv_b into the query and the output, attend over the latent (MQA)
             wkv_b = self.wkv_b.dequantized(x.dtype).view(self.n_heads, -1, self.kv_lora_rank)  # (H, Dn + Dv, C)
             q_nope = einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.qk_nope_head_dim])  # (B, T, H, C)
             scores = (einsum("bshc,btc->bsht", q_nope, kv) + einsum("bshr,btr->bsht", q_pe, k_pe)) * self.softmax_scale
-            scores += index_mask
+            scores = self.scores(scores) + index_mask
             scores = self.probs(scores.softmax(dim=-1))  # (B, T, H, S)
             x = einsum("bsht,btc->bshc", scores, kv)  # (B, T, H, C)
             x = einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim :])  # (B, T, H, Dv)

@@ -15,6 +15,7 @@ from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
 from .norm import LayerNorm
+from .ops import topk
 from .rope import apply_rotary_emb
 
 
@@ -69,7 +70,7 @@ class Indexer(nn.Module):
         if mask is not None:
             index_score += mask
         index_score = self.scores(index_score)
-        topk_indices = index_score.topk(min(self.index_topk, end_pos), dim=-1)[1]  # (B, T, K)
+        topk_indices = topk(index_score, min(self.index_topk, end_pos))[1]  # (B, T, K)
         # top-k of a row with fewer than K visible keys also returns masked ones: mark them -1
         topk_indices = topk_indices.masked_fill(index_score.gather(-1, topk_indices) == float("-inf"), -1)
         return self.topk_indices(topk_indices)

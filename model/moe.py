@@ -12,6 +12,7 @@ from torch import nn
 from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
+from .ops import topk
 
 
 class MLP(nn.Module):
@@ -66,12 +67,12 @@ class Gate(nn.Module):
             if self.bias is None:
                 group_scores = scores.amax(dim=-1)
             else:
-                group_scores = scores.topk(2, dim=-1)[0].sum(dim=-1)
+                group_scores = topk(scores, 2)[0].sum(dim=-1)
             group_scores = self.group_scores(group_scores)  # (N, G)
-            groups = self.groups(group_scores.topk(self.topk_groups, dim=-1)[1])  # (N, topk_groups)
+            groups = self.groups(topk(group_scores, self.topk_groups)[1])  # (N, topk_groups)
             mask = scores.new_ones(x.size(0), self.n_groups, dtype=torch.bool).scatter_(1, groups, False)
             scores = scores.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)  # (N, E)
-        indices = self.topk_indices(scores.topk(self.topk, dim=-1)[1])  # (N, k)
+        indices = self.topk_indices(topk(scores, self.topk)[1])  # (N, k)
         weights = original_scores.gather(1, indices)
         if self.score_func == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -122,7 +122,7 @@ def test_indexer_prunes_and_marks_missing_keys(tiny_model, tokens):
         assert len(chosen) == min(t + 1, K)  # -1 exactly where fewer than K keys are visible
         assert torch.all(chosen <= t)
         visible = scores[t, : t + 1]
-        assert set(chosen.tolist()) == set(visible.topk(len(chosen)).indices.tolist())
+        assert chosen.tolist() == visible.sort(descending=True, stable=True).indices[: len(chosen)].tolist()
 
 
 def test_routing_respects_groups_and_route_scale(tiny_model, tokens):
@@ -210,3 +210,10 @@ def test_yarn_frequencies_and_softmax_scale():
     plain = args.replace(max_seq_len=4096)  # the reference's condition: no YaRN at or below 4096
     assert precompute_freqs_cis(plain, 2).angle()[1][-1] == pytest.approx(base[-1].item())
     assert plain.softmax_scale == pytest.approx(96**-0.5)
+
+
+def test_topk_ties_go_to_the_lower_index():
+    from model.ops import topk
+
+    x = torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0, 0.0]])
+    assert topk(x, 4)[1].tolist() == [[1, 4, 0, 2]]

@@ -1,6 +1,7 @@
-"""python -m tracing {run, export, info, eval, diff}: see DESIGN.md for the contract.
+"""python -m tracing {run, export, info, eval}: the command line of DESIGN.md.
 
-Bad input exits with status 2 and one line on stderr naming the problem, never a traceback.
+Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
+leaves no partial output file behind (outputs are written to a temporary name, then renamed).
 """
 
 from __future__ import annotations
@@ -10,27 +11,89 @@ import json
 import sys
 from pathlib import Path
 
-from model.checkpoint import CheckpointError, dtype_name, expected_specs
+from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
 from model.config import ConfigError, ModelArgs
 from model.params import count_params
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO = REPO / "assets" / "demo"
+from .errors import InputError
+from .loading import open_checkpoint, open_synthetic, parse_device, parse_dtype, resolve_checkpoint
+from .progress import Progress
+from .tokenizer import TokenizerError
+from .trace import Trace, TraceError
+
+BAD_INPUT = (CheckpointError, ConfigError, InputError, TraceError, TokenizerError)
 
 
-class UsageError(ValueError):
-    """Bad input from the command line."""
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--token-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise InputError("--token-ids is empty: nothing to trace")
+    return ids
 
 
-def resolve_checkpoint(value: str) -> Path:
-    """``demo`` names the bundled checkpoint; anything else is a directory."""
-    return DEMO if value == "demo" else Path(value)
+def _load_patches(path: str) -> dict:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise InputError(f"{path}: not a readable patch file ({exc})") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runner import trace_tokens
+    from .tables import export
+
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if args.synthetic:
+        if args.prompt is not None:
+            raise InputError("synthetic weights have no tokenizer: pass --token-ids instead of --prompt")
+        loaded = open_synthetic(args.synthetic, args.n_layers, device, dtype)
+    else:
+        if args.n_layers is not None:
+            raise InputError("--n-layers applies to --synthetic only")
+        loaded = open_checkpoint(args.checkpoint, device, dtype)
+    tokenizer = loaded.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise InputError(f"{loaded.label} has no tokenizer.json: pass --token-ids")
+        if not args.prompt.strip():
+            raise InputError("the prompt is empty: nothing to trace")
+        ids = tokenizer.encode(args.prompt)
+    else:
+        ids = _token_ids(args.token_ids)
+    patches = _load_patches(args.patch) if args.patch else None
+    progress = Progress(len(loaded.model.layers))
+    trace = trace_tokens(
+        loaded.model,
+        ids,
+        prompt=args.prompt or "",
+        record=args.record,
+        patches=patches,
+        on_block=lambda i: progress.update(i + 1),
+        extra={"checkpoint": loaded.label},
+        token_strings=tokenizer.token_strings if tokenizer else None,
+    )
+    progress.close()
+    trace.save(args.out)
+    if args.csv:
+        export(trace, args.csv, parquet=args.parquet)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .tables import export
+
+    export(Trace.load(args.trace), args.csv, parquet=args.parquet)
+    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from model.checkpoint import SafetensorsSource
-
         source = SafetensorsSource(resolve_checkpoint(args.checkpoint))
         config, gate_bias = source.args, source.has_gate_bias
     else:
@@ -51,8 +114,24 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.tensors:
         specs = expected_specs(config, gate_bias)
         out["tensors"] = {name: [list(s.shape), dtype_name(s.dtype)] for name, s in specs.items()}
-    json.dump(out, sys.stdout)
-    sys.stdout.write("\n")
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import evaluate
+
+    path = Path(args.text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the text file ({exc})") from None
+    if not text.strip():
+        raise InputError(f"{path}: the text file is empty")
+    loaded = open_checkpoint(args.checkpoint, parse_device(args.device), parse_dtype(args.dtype))
+    if loaded.tokenizer is None:
+        raise InputError(f"{loaded.label} has no tokenizer.json: eval needs one")
+    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text)))
     return 0
 
 
@@ -60,21 +139,51 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tracing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    run = sub.add_parser("run", help="trace one prompt into a .safetensors trace file")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
+    src.add_argument("--synthetic", metavar="CONFIG", help="synthetic weights of this config (no download)")
+    run.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+    inp = run.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
+    inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    run.add_argument("--out", required=True, help="trace file to write (.safetensors)")
+    run.add_argument("--csv", help="also write every table as CSV into this directory")
+    run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
+    run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    run.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
+    run.add_argument("--stream", action="store_true", help="load one block at a time (models larger than memory)")
+    run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
+    run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
+    run.set_defaults(func=cmd_run)
+
+    exp = sub.add_parser("export", help="write a trace's tables as CSV (and Parquet)")
+    exp.add_argument("trace", help="trace file")
+    exp.add_argument("--csv", required=True, help="output directory")
+    exp.add_argument("--parquet", action="store_true", help="Parquet files too")
+    exp.set_defaults(func=cmd_export)
+
     info = sub.add_parser("info", help="parameter counts (and expected tensors) as JSON, from the architecture alone")
-    src = info.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="checkpoint directory, or 'demo'")
-    src.add_argument("--config", help="config.json (Hugging Face) or the reference's JSON")
+    isrc = info.add_mutually_exclusive_group(required=True)
+    isrc.add_argument("--checkpoint", help="checkpoint directory, or 'demo'")
+    isrc.add_argument("--config", help="config.json (Hugging Face) or the reference's JSON")
     info.add_argument("--tensors", action="store_true", help="add every expected tensor name with [shape, dtype]")
     info.set_defaults(func=cmd_info)
+
+    ev = sub.add_parser("eval", help="next-token NLL, perplexity, top-1 accuracy and bits per byte on a text file")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint directory, or 'demo'")
+    ev.add_argument("--text-file", required=True, help="UTF-8 text to score")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--dtype", default="bfloat16")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, ConfigError, UsageError) as exc:
+    except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (| head): not an error of ours

@@ -1,0 +1,289 @@
+"""Tidy tables of a Trace (one row per observation), the one place tables are built.
+
+Every view of the app and every CSV/Parquet export reads these. A table exists only when the
+trace holds the sites it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .trace import Trace
+
+# OWASP CSV injection: cells starting with these are formulas to a spreadsheet
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _positions(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(trace.n_tokens), np.asarray(trace.tokens, dtype=object)
+
+
+def tokens_table(trace: Trace) -> pd.DataFrame:
+    pos, tok = _positions(trace)
+    return pd.DataFrame({"position": pos, "token_id": np.asarray(trace.token_ids), "token": tok})
+
+
+def residual_table(trace: Trace) -> pd.DataFrame:
+    """Per block and position: stream norms before, between and after, the update sizes, and the
+    cosine between this block's output and the previous block's (the embedding for block 0)."""
+    pos, tok = _positions(trace)
+    frames = []
+    prev = None
+    for i in trace.layers_with("resid_post"):
+        post = trace[f"layers.{i}.resid_post"].double()
+        pre = trace.tensors.get(f"layers.{i}.resid_pre")
+        mid = trace.tensors.get(f"layers.{i}.resid_mid")
+        base = prev if prev is not None else (pre.double() if pre is not None else None)
+        row = {"layer": i, "position": pos, "token": tok, "norm_post": post.norm(dim=-1).numpy()}
+        if pre is not None:
+            row["norm_pre"] = pre.double().norm(dim=-1).numpy()
+        if mid is not None:
+            row["norm_mid"] = mid.double().norm(dim=-1).numpy()
+            row["ffn_update_norm"] = (post - mid.double()).norm(dim=-1).numpy()
+            if pre is not None:
+                row["attn_update_norm"] = (mid.double() - pre.double()).norm(dim=-1).numpy()
+        if base is not None:
+            row["cos_prev"] = torch.nn.functional.cosine_similarity(post, base, dim=-1).numpy()
+        frames.append(pd.DataFrame(row))
+        prev = post
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def router_table(trace: Trace) -> pd.DataFrame:
+    """Per MoE block, position and expert: score, biased score, whether chosen, its rank and weight."""
+    cfg = trace.config
+    per_group = cfg.n_routed_experts // cfg.n_expert_groups
+    n, e = trace.n_tokens, cfg.n_routed_experts
+    pos, tok = _positions(trace)
+    frames = []
+    for i in trace.layers_with("ffn.gate.topk_indices"):
+        idx = trace[f"layers.{i}.ffn.gate.topk_indices"].numpy()  # (T, k)
+        rank = np.full((n, e), -1, dtype=np.int64)
+        weight = np.zeros((n, e), dtype=np.float32)
+        rows = np.repeat(np.arange(n), idx.shape[1])
+        rank[rows, idx.ravel()] = np.tile(np.arange(idx.shape[1]), n)
+        if f"layers.{i}.ffn.gate.topk_weights" in trace:
+            weight[rows, idx.ravel()] = trace[f"layers.{i}.ffn.gate.topk_weights"].numpy().ravel()
+        data = {
+            "layer": i,
+            "position": np.repeat(pos, e),
+            "token": np.repeat(tok, e),
+            "expert": np.tile(np.arange(e), n),
+            "group": np.tile(np.arange(e) // per_group, n),
+        }
+        for site, column in (("scores", "score"), ("biased_scores", "biased_score")):
+            if f"layers.{i}.ffn.gate.{site}" in trace:
+                data[column] = trace[f"layers.{i}.ffn.gate.{site}"].numpy().ravel()
+        if f"layers.{i}.ffn.gate.groups" in trace:
+            chosen = np.zeros((n, cfg.n_expert_groups), dtype=bool)
+            groups = trace[f"layers.{i}.ffn.gate.groups"].numpy()
+            chosen[np.repeat(np.arange(n), groups.shape[1]), groups.ravel()] = True
+            data["group_chosen"] = chosen[:, np.arange(e) // per_group].ravel()
+        data["selected"] = rank.ravel() >= 0
+        data["rank"] = rank.ravel()
+        data["weight"] = weight.ravel()
+        frames.append(pd.DataFrame(data))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def expert_load_table(trace: Trace) -> pd.DataFrame:
+    """Per MoE block and expert: tokens routed to it, share of all routings, mean gating weight."""
+    cfg = trace.config
+    per_group = cfg.n_routed_experts // cfg.n_expert_groups
+    frames = []
+    for i in trace.layers_with("ffn.gate.topk_indices"):
+        idx = trace[f"layers.{i}.ffn.gate.topk_indices"].numpy().ravel()
+        counts = np.bincount(idx, minlength=cfg.n_routed_experts)
+        data = {
+            "layer": i,
+            "expert": np.arange(cfg.n_routed_experts),
+            "group": np.arange(cfg.n_routed_experts) // per_group,
+            "tokens": counts,
+            "share": counts / max(len(idx), 1),
+        }
+        if f"layers.{i}.ffn.gate.topk_weights" in trace:
+            w = trace[f"layers.{i}.ffn.gate.topk_weights"].numpy().ravel()
+            sums = np.bincount(idx, weights=w, minlength=cfg.n_routed_experts)
+            data["mean_weight"] = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
+        frames.append(pd.DataFrame(data))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def groups_table(trace: Trace) -> pd.DataFrame:
+    """Per MoE block, position and expert group: the group score and whether it was chosen."""
+    cfg = trace.config
+    pos, tok = _positions(trace)
+    n, g = trace.n_tokens, cfg.n_expert_groups
+    frames = []
+    for i in trace.layers_with("ffn.gate.group_scores"):
+        chosen = np.zeros((n, g), dtype=bool)
+        if f"layers.{i}.ffn.gate.groups" in trace:
+            groups = trace[f"layers.{i}.ffn.gate.groups"].numpy()
+            chosen[np.repeat(np.arange(n), groups.shape[1]), groups.ravel()] = True
+        frames.append(
+            pd.DataFrame(
+                {
+                    "layer": i,
+                    "position": np.repeat(pos, g),
+                    "token": np.repeat(tok, g),
+                    "group": np.tile(np.arange(g), n),
+                    "group_score": trace[f"layers.{i}.ffn.gate.group_scores"].numpy().ravel(),
+                    "chosen": chosen.ravel(),
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def indexer_table(trace: Trace) -> pd.DataFrame:
+    """Per block, query and visible key: index score, whether selected and its rank, and the
+    attention probability (mean over heads) when recorded."""
+    n = trace.n_tokens
+    pos, tok = _positions(trace)
+    q, k = np.tril_indices(n)  # visible (query, key) pairs, row by row
+    frames = []
+    for i in trace.layers_with("attn.indexer.scores"):
+        data = {
+            "layer": i,
+            "query": q,
+            "query_token": tok[q],
+            "key": k,
+            "key_token": tok[k],
+            "score": trace[f"layers.{i}.attn.indexer.scores"].numpy()[q, k],
+        }
+        if f"layers.{i}.attn.indexer.topk_indices" in trace:
+            topk = trace[f"layers.{i}.attn.indexer.topk_indices"].numpy()
+            rank = np.full((n, n + 1), -1, dtype=np.int64)
+            slot = np.where(topk < 0, n, topk)
+            rank[np.repeat(np.arange(n), topk.shape[1]), slot.ravel()] = np.tile(np.arange(topk.shape[1]), n)
+            data["selected"] = rank[q, k] >= 0
+            data["rank"] = rank[q, k]
+        if f"layers.{i}.attn.probs_mean" in trace:
+            data["attn_prob"] = trace[f"layers.{i}.attn.probs_mean"].numpy()[q, k]
+        frames.append(pd.DataFrame(data))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def recall_table(trace: Trace) -> pd.DataFrame:
+    """Per block and query: the share of the dense attention mass the selected keys cover."""
+    pos, tok = _positions(trace)
+    frames = [
+        pd.DataFrame({"layer": i, "query": pos, "token": tok, "recall": trace[f"layers.{i}.attn.indexer.recall"].numpy()})
+        for i in trace.layers_with("attn.indexer.recall")
+    ]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _names(trace: Trace, ids) -> list[str]:
+    """Token strings for ids, from the strings the run stored (``extra['vocab']``), else ``<id>``."""
+    vocab = trace.extra.get("vocab", {})
+    return [vocab.get(str(int(i)), f"<{int(i)}>") for i in ids]
+
+
+def logit_lens_table(trace: Trace) -> pd.DataFrame:
+    """Per block, position and rank: the token the final norm and head read from the stream."""
+    pos, tok = _positions(trace)
+    frames = []
+    for i in trace.layers_with("logit_lens.topk_indices"):
+        ids = trace[f"layers.{i}.logit_lens.topk_indices"].numpy()  # (T, L)
+        n, top = ids.shape
+        data = {
+            "layer": i,
+            "position": np.repeat(pos, top),
+            "token": np.repeat(tok, top),
+            "rank": np.tile(np.arange(top), n),
+            "predicted_id": ids.ravel(),
+        }
+        data["predicted"] = _names(trace, ids.ravel())
+        if f"layers.{i}.logit_lens.topk_probs" in trace:
+            data["probability"] = trace[f"layers.{i}.logit_lens.topk_probs"].numpy().ravel()
+        frames.append(pd.DataFrame(data))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def next_token_table(trace: Trace, top: int = 10) -> pd.DataFrame:
+    """The model's top next tokens after the last position."""
+    if "logits.last" not in trace:
+        return pd.DataFrame()
+    probs = trace["logits.last"].double().softmax(-1)
+    values, ids = probs.topk(min(top, probs.numel()))
+    return pd.DataFrame(
+        {
+            "rank": np.arange(len(ids)),
+            "token_id": ids.numpy(),
+            "token": _names(trace, ids),
+            "probability": values.numpy(),
+            "logit": trace["logits.last"][ids].numpy(),
+        }
+    )
+
+
+BUILDERS = {
+    "tokens": tokens_table,
+    "residual": residual_table,
+    "router": router_table,
+    "expert_load": expert_load_table,
+    "groups": groups_table,
+    "indexer": indexer_table,
+    "indexer_recall": recall_table,
+    "logit_lens": logit_lens_table,
+    "next_token": next_token_table,
+}
+
+
+def tables(trace: Trace) -> dict[str, pd.DataFrame]:
+    """Every table the trace can give, by name; empty ones left out."""
+    out = {}
+    for name, build in BUILDERS.items():
+        frame = build(trace)
+        if not frame.empty:
+            out[name] = frame
+    return out
+
+
+def csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
+    """Text cells a spreadsheet would run as formulas get a leading apostrophe; numbers untouched."""
+    out = frame
+    for column in frame.columns:
+        if frame[column].dtype == object or pd.api.types.is_string_dtype(frame[column]):
+            values = frame[column].astype(str)
+            risky = values.str.startswith(_FORMULA_START)
+            if risky.any():
+                if out is frame:
+                    out = frame.copy()
+                out[column] = values.where(~risky, "'" + values)
+    return out
+
+
+def to_csv_bytes(frame: pd.DataFrame) -> bytes:
+    # CRLF rows (RFC 4180): the writer then quotes any cell holding a carriage return or newline
+    return csv_safe(frame).to_csv(index=False, lineterminator="\r\n").encode("utf-8")
+
+
+def export(trace: Trace, directory: str | os.PathLike, parquet: bool = False) -> list[Path]:
+    """Write every table as CSV (and Parquet) into ``directory``, atomically: a temporary
+    directory beside it, moved into place when complete."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    written = []
+    try:
+        for name, frame in tables(trace).items():
+            (tmp / f"{name}.csv").write_bytes(to_csv_bytes(frame))
+            written.append(directory / f"{name}.csv")
+            if parquet:
+                frame.to_parquet(tmp / f"{name}.parquet", index=False)
+                written.append(directory / f"{name}.parquet")
+        directory.mkdir(exist_ok=True)
+        for item in tmp.iterdir():
+            os.replace(item, directory / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
