@@ -60,7 +60,7 @@ def test_expert_selection_recomputed_from_recorded_scores(trace):
     for i in range(TINY.n_dense_layers, TINY.n_layers):
         biased = trace[f"layers.{i}.ffn.gate.biased_scores"]
         groups = trace[f"layers.{i}.ffn.gate.groups"]
-        group_scores = biased.view(-1, TINY.n_expert_groups, per_group).sort(-1, descending=True).values[..., :2].sum(-1)
+        group_scores = biased.view(-1, TINY.n_expert_groups, per_group).sort(dim=-1, descending=True).values[..., :2].sum(-1)
         assert torch.equal(group_scores, trace[f"layers.{i}.ffn.gate.group_scores"])
         assert torch.equal(group_scores.topk(TINY.n_limited_groups, dim=-1).indices, groups)
         allowed = torch.zeros_like(biased, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""python -m tracing {run, export, info, eval}: the command line of DESIGN.md.
+"""python -m tracing {run, export, info, eval, diff}: the command line of DESIGN.md.
 
 Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
 leaves no partial output file behind (outputs are written to a temporary name, then renamed).
@@ -67,6 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         ids = _token_ids(args.token_ids)
     patches = _load_patches(args.patch) if args.patch else None
+    interventions = _interventions(args)
     progress = Progress(len(loaded.model.layers))
     trace = trace_tokens(
         loaded.model,
@@ -77,11 +78,41 @@ def cmd_run(args: argparse.Namespace) -> int:
         on_block=lambda i: progress.update(i + 1),
         extra={"checkpoint": loaded.label},
         token_strings=tokenizer.token_strings if tokenizer else None,
+        interventions=interventions,
     )
     progress.close()
     trace.save(args.out)
     if args.csv:
         export(trace, args.csv, parquet=args.parquet)
+    return 0
+
+
+def _interventions(args: argparse.Namespace) -> list:
+    from .interventions import AblateExperts, IndexTopK, NoGateBias
+
+    out = []
+    if args.ablate_experts:
+        out.append(AblateExperts.parse(args.ablate_experts))
+    if args.no_gate_bias:
+        out.append(NoGateBias())
+    if args.dense_attention and args.index_topk is not None:
+        raise InputError("--dense-attention and --index-topk exclude each other")
+    if args.dense_attention:
+        out.append(IndexTopK.dense())
+    if args.index_topk is not None:
+        out.append(IndexTopK(args.index_topk))
+    return out
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .diff import diff_tables, summary
+    from .tables import write_tables
+
+    a, b = Trace.load(args.a), Trace.load(args.b)
+    tables = diff_tables(a, b)
+    if args.csv:
+        write_tables(tables, args.csv)
+    print(json.dumps(summary(a, b, tables)))
     return 0
 
 
@@ -155,7 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stream", action="store_true", help="load one block at a time (models larger than memory)")
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
+    run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")
+    run.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
+    run.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
+    run.add_argument("--index-topk", type=int, help="a different index_topk for the sparse attention")
     run.set_defaults(func=cmd_run)
+
+    dif = sub.add_parser("diff", help="compare two traces of one prompt: stream drift, changed experts and keys, predictions")
+    dif.add_argument("a", help="first trace (the baseline)")
+    dif.add_argument("b", help="second trace")
+    dif.add_argument("--csv", help="write the comparison tables as CSV into this directory")
+    dif.set_defaults(func=cmd_diff)
 
     exp = sub.add_parser("export", help="write a trace's tables as CSV (and Parquet)")
     exp.add_argument("trace", help="trace file")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from model.transformer import Transformer
 
 from .errors import InputError
+from .interventions import Intervention
 from .sites import LOGIT_LENS_TOPK, select
 from .trace import Trace
 from .tracer import Tracer
@@ -37,6 +38,7 @@ def trace_tokens(
     extra: dict[str, Any] | None = None,
     max_tokens: int | None = None,
     token_strings: Callable[[list[int]], list[str]] | None = None,
+    interventions: Sequence[Intervention] = (),
 ) -> Trace:
     """Run ``ids`` through ``model`` once, recording the chosen sites (default: DESIGN.md's table).
 
@@ -55,7 +57,7 @@ def trace_tokens(
     device = model.embed.weight.device
     with torch.inference_mode():
         batch = torch.tensor([ids], dtype=torch.long, device=device)
-        with Tracer(model, sites + hidden, patches, on_block) as tracer:
+        with Tracer(model, sites + hidden, patches, on_block, interventions) as tracer:
             model(batch)
         values = tracer.values
         _logit_lens(model, values, sites)
@@ -65,12 +67,17 @@ def trace_tokens(
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
     if patches:
         info["patched"] = sorted(patches)
+    config = model.args
+    if interventions:
+        info["interventions"] = [i.describe() for i in interventions]
+        for intervention in interventions:
+            config = intervention.config(config)
     if token_strings is not None:
         shown = _predicted_ids(values)
         info["vocab"] = dict(zip(map(str, shown), token_strings(shown), strict=True))
         tokens = tokens or token_strings(ids)
     info.update(extra or {})
-    return Trace(values, model.args, tokens or [f"<{i}>" for i in ids], prompt, info)
+    return Trace(values, config, tokens or [f"<{i}>" for i in ids], prompt, info)
 
 
 def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:

@@ -268,14 +268,19 @@ def to_csv_bytes(frame: pd.DataFrame) -> bytes:
 
 
 def export(trace: Trace, directory: str | os.PathLike, parquet: bool = False) -> list[Path]:
-    """Write every table as CSV (and Parquet) into ``directory``, atomically: a temporary
-    directory beside it, moved into place when complete."""
+    """Write every table of a trace as CSV (and Parquet) into ``directory``."""
+    return write_tables(tables(trace), directory, parquet)
+
+
+def write_tables(frames: dict[str, pd.DataFrame], directory: str | os.PathLike, parquet: bool = False) -> list[Path]:
+    """Write tables as ``name.csv`` (and ``name.parquet``), atomically: into a temporary directory
+    beside the target, moved into place when all are written."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     written = []
     try:
-        for name, frame in tables(trace).items():
+        for name, frame in frames.items():
             (tmp / f"{name}.csv").write_bytes(to_csv_bytes(frame))
             written.append(directory / f"{name}.csv")
             if parquet:

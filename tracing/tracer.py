@@ -1,23 +1,28 @@
-"""The Tracer: forward hooks on hook points that copy chosen values to the CPU, or patch them.
+"""The Tracer: forward hooks on hook points that copy chosen values to the CPU, or replace them.
 
 Hooks belong to the thread that entered the tracer: a model shared by several threads (the app
 serves every browser session from its own thread) records each thread's run into its own tracer,
-and patches apply only to the run that asked for them. Hooks are removed on exit, also after an
-exception.
+and patches and interventions apply only to the run that asked for them. Hooks are removed on
+exit, also after an exception.
+
+At each hook point, in order: a patch (a fixed value) replaces the model's value, interventions
+rewrite it, and what results is what the model uses downstream and what the trace records.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from model.config import ModelArgs
 
 from .errors import InputError
-from .sites import DERIVED, hook_points, select
+from .interventions import NEEDS, Intervention, Replace
+from .sites import hook_points, select
 
+# derived site suffix -> the hook point whose value it is computed from
 _DERIVED_FROM = {
     "attn.indexer.recall": "attn.scores",
     "attn.probs_mean": "attn.probs",
@@ -29,6 +34,7 @@ class Tracer:
 
     ``record``: site names or glob patterns (see :func:`tracing.sites.select`). ``patches``: site
     name -> value (the trace's shape, batch dimension dropped) that replaces the site's value.
+    ``interventions``: rewrites computed from the pass itself (ablations, dense attention, ...).
     ``on_block``: called with the block index before each block runs (progress).
     """
 
@@ -38,16 +44,18 @@ class Tracer:
         record: Iterable[str] | str | None = None,
         patches: Mapping[str, torch.Tensor] | None = None,
         on_block: Callable[[int], None] | None = None,
+        interventions: Sequence[Intervention] = (),
     ):
         self.model = model
         self.args: ModelArgs = model.args
         self.sites = select(self.args, record)
         self.patches = dict(patches or {})
+        self.interventions = list(interventions)
         self.on_block = on_block
         self.values: dict[str, torch.Tensor] = {}
+        self._seen: dict[str, torch.Tensor] = {}  # this pass's values that later hooks read
         self._handles: list = []
         self._thread: int | None = None
-        self._topk: dict[int, torch.Tensor] = {}
 
     # context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -55,6 +63,7 @@ class Tracer:
             raise RuntimeError("a Tracer can be entered once at a time")
         self._thread = threading.get_ident()
         self.values.clear()
+        self._seen.clear()
         try:
             self._register()
         except BaseException:
@@ -69,6 +78,7 @@ class Tracer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._seen.clear()
         self._thread = None
 
     # hooks ---------------------------------------------------------------------------------
@@ -80,44 +90,59 @@ class Tracer:
         for name in self.patches:
             if name not in points:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
-        wanted = set(self.sites)
+        replacers: dict[str, list[Replace]] = {}
+        for intervention in self.interventions:
+            for name, fn in intervention.replacements(self.args).items():
+                replacers.setdefault(name, []).append(fn)
         derived: dict[str, list[str]] = {}  # hook point -> derived sites computed from its value
+        keep: set[str] = set()  # hook points whose value later hooks of this pass read
         for name in self.sites:
             layer, _, suffix = name.partition(".")[2].partition(".")
             if suffix in _DERIVED_FROM:
                 derived.setdefault(f"layers.{layer}.{_DERIVED_FROM[suffix]}", []).append(name)
+                if suffix == "attn.indexer.recall":
+                    keep.add(f"layers.{layer}.attn.indexer.topk_indices")
+        for name in replacers:
+            layer, _, suffix = name.partition(".")[2].partition(".")
+            keep.update(f"layers.{layer}.{need}" for need in NEEDS.get(suffix, ()))
+        wanted = set(self.sites)
         for name, point in points.items():
-            patch = self.patches.get(name)
-            if name in wanted or patch is not None or name in derived:
-                self._handles.append(point.register_forward_hook(self._hook(name, name in wanted, patch, derived.get(name, []))))
-        # recall needs the selection the attention used: registered last, these see patched values
-        for name in self.sites:
-            if name.endswith("attn.indexer.recall"):
-                layer = int(name.split(".")[1])
-                point = points[f"layers.{layer}.attn.indexer.topk_indices"]
-                self._handles.append(point.register_forward_hook(self._keep_topk(layer)))
+            if name in wanted or name in self.patches or name in replacers or name in derived or name in keep:
+                self._handles.append(
+                    point.register_forward_hook(
+                        self._hook(
+                            name,
+                            name in wanted,
+                            self.patches.get(name),
+                            replacers.get(name, []),
+                            derived.get(name, []),
+                            name in keep,
+                        )
+                    )
+                )
         if self.on_block is not None:
             for i, block in enumerate(self.model.layers):
                 self._handles.append(block.register_forward_pre_hook(self._progress(i)))
 
-    def _hook(self, name: str, record: bool, patch: torch.Tensor | None, derived: list[str]):
+    def _hook(self, name: str, record: bool, patch, replacers: list[Replace], derived: list[str], keep: bool):
         def hook(module, inputs, output):
             if not self._mine():
                 return None
+            value = output
             if patch is not None:
-                output = _as_batched(patch, output, name)
+                value = _as_batched(patch, value, name)
+            for replace in replacers:
+                new = replace(value, self._seen)
+                value = value if new is None else new
+            if value is not output and name.endswith("topk_indices"):
+                _check_indices(name, value, self.args)
+            if keep:
+                self._seen[name] = value
             if record:
-                self.values[name] = _to_cpu(output, module.shape)
+                self.values[name] = _to_cpu(value, module.shape)
             for target in derived:
-                self.values[target] = self._derive(target, output)
-            return output if patch is not None else None
-
-        return hook
-
-    def _keep_topk(self, layer: int):
-        def hook(module, inputs, output):
-            if self._mine():
-                self._topk[layer] = output.detach()
+                self.values[target] = self._derive(target, value)
+            return None if value is output else value
 
         return hook
 
@@ -135,11 +160,10 @@ class Tracer:
         # recall: dense softmax over the causal keys, mass on the indexer's selection, mean over heads
         scores = value[0].float()  # (T, H, S)
         t, _, s = scores.shape
-        start = s - t
-        causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(start)
+        causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
         dense = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
-        topk = self._topk[layer][0]  # (T, K)
-        slot = torch.where(topk < 0, s, topk)
+        selected = self._seen[f"layers.{layer}.attn.indexer.topk_indices"][0]  # (T, K)
+        slot = torch.where(selected < 0, s, selected)
         keep = torch.zeros(t, s + 1, dtype=torch.bool, device=scores.device).scatter_(-1, slot, True)[:, :s] & causal
         return (dense * keep[:, None, :]).sum(-1).mean(-1).cpu()
 
@@ -160,10 +184,22 @@ def _as_batched(patch: torch.Tensor, output: torch.Tensor, name: str) -> torch.T
     if value.dim() == output.dim() - 1:
         value = value.unsqueeze(0)
     if value.shape != output.shape:
-        got = tuple(patch.shape)
-        want = tuple(output.shape[1:]) if value.dim() == output.dim() else tuple(output.shape)
-        raise InputError(f"patch {name!r} has shape {list(got)}, this run needs {list(want)}")
+        want = tuple(output.shape[1:]) if output.dim() == patch.dim() + 1 or output.shape[0] == 1 else tuple(output.shape)
+        raise InputError(f"patch {name!r} has shape {list(patch.shape)}, this run needs {list(want)}")
+    if value.is_floating_point() != output.is_floating_point():
+        kind = "integer" if not output.is_floating_point() else "floating-point"
+        raise InputError(f"patch {name!r} must hold {kind} values")
     return value.to(output.dtype)
 
 
-__all__ = ["DERIVED", "Tracer"]
+def _check_indices(name: str, value: torch.Tensor, args: ModelArgs) -> None:
+    """Forced selections must name real experts, or key positions (-1 for none)."""
+    if ".ffn.gate." in name:
+        low, high, what = 0, args.n_routed_experts, "experts"
+    else:  # keys of a prefill: positions 0..T-1; those after the query are dropped by the causal mask
+        low, high, what = -1, value.shape[-2], "key positions (or -1)"
+    if value.numel() and (int(value.min()) < low or int(value.max()) >= high):
+        raise InputError(f"{name}: forced values must be {what} in {low}..{high - 1}")
+
+
+__all__ = ["Tracer"]
