@@ -5,6 +5,8 @@ Shapes: B batch, T positions, D dim, V vocabulary.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,7 +105,10 @@ def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 class Transformer(nn.Module):
     """The whole model. ``forward`` returns float32 logits of the last position (B, V), or of
-    every position (B, T, V) with ``all_logits``; decoding passes a :class:`Cache` and start_pos.
+    every position (B, T, V) with ``all_logits``. Decoding continues at ``start_pos`` from the
+    earlier positions' keys: pass the :class:`Cache` they were written to, or none, and the cache
+    of this thread's previous call is used, as the reference's module buffers would be (one per
+    thread, so threads sharing the model do not mix).
 
     ``dtype`` is the activation dtype (bfloat16 as the reference, or float32); ``weight_dtype`` the
     dtype of every weight that is not FP8 (the checkpoint's bfloat16 by default).
@@ -126,9 +131,19 @@ class Transformer(nn.Module):
         self.logits = nn.Module()
         self.logits.last = HookPoint("B V")  # logits of the last position, float32
         self.logits.all = HookPoint("B T V")  # every position's logits, when asked for
+        self._thread_caches = threading.local()
 
     def new_cache(self) -> Cache:
         return Cache(len(self.layers))
+
+    def _implicit_cache(self, start_pos: int) -> Cache:
+        if start_pos == 0:
+            self._thread_caches.cache = self.new_cache()
+        cache = getattr(self._thread_caches, "cache", None)
+        if cache is None or len(cache) != start_pos:
+            held = 0 if cache is None else len(cache)
+            raise ValueError(f"start_pos {start_pos}: this thread's cache holds {held} positions; pass the Cache to continue from")
+        return cache
 
     def forward(
         self,
@@ -139,15 +154,15 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         seqlen = tokens.size(1)
         end_pos = start_pos + seqlen
-        if start_pos and cache is None:
-            raise ValueError("start_pos > 0 needs the cache of the earlier positions")
+        if cache is None:
+            cache = self._implicit_cache(start_pos)
         device = tokens.device
         freqs_cis = precompute_freqs_cis(self.args, end_pos, device)[start_pos:end_pos]
         # the reference masks only when several positions run at once; one position sees all keys
         mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
         h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, start_pos, freqs_cis, mask, cache.layers[i] if cache is not None else None)
+            h, residual = layer(h, residual, start_pos, freqs_cis, mask, cache.layers[i])
         h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
         if all_logits:
             logits = self.logits.all(self.head(h.float()))  # (B, T, V)

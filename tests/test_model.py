@@ -217,3 +217,13 @@ def test_topk_ties_go_to_the_lower_index():
 
     x = torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0, 0.0]])
     assert topk(x, 4)[1].tolist() == [[1, 4, 0, 2]]
+
+
+def test_decode_without_passing_a_cache_continues_this_threads_prefill(tiny_fp32, tokens):
+    with torch.inference_mode():
+        full = tiny_fp32(tokens, all_logits=True)
+        tiny_fp32(tokens[:, :20])
+        step = tiny_fp32(tokens[:, 20:21], start_pos=20)
+        with pytest.raises(ValueError, match="holds 21 positions"):
+            tiny_fp32(tokens[:, 22:23], start_pos=22)
+    torch.testing.assert_close(step, full[:, 20], rtol=1e-4, atol=1e-4)
