@@ -10,15 +10,31 @@ per element; norms are ones; the router's bias is small and positive.
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import torch
 
 from .checkpoint import TensorSpec, WeightSource, expected_specs
-from .config import ModelArgs
+from .config import ConfigError, ModelArgs
 from .fp8 import FP8
 
 _FP8_STD = 64.0  # fp8 values ~ N(0, 64): well inside +-448 and with full precision
+
+
+def truncate_layers(args: ModelArgs, n_layers: int) -> ModelArgs:
+    """The first ``n_layers`` blocks of ``args`` (``--synthetic CONFIG --n-layers N``): the dense
+    blocks among them stay dense, and each kept tensor has the same name, so a SyntheticSource of
+    the result gives the same values as one of the whole model."""
+    if not 0 < n_layers <= args.n_layers:
+        raise ConfigError(f"--n-layers must be between 1 and {args.n_layers}, not {n_layers}")
+    return args.replace(n_layers=n_layers, n_dense_layers=min(args.n_dense_layers, n_layers))
+
+
+def synthetic_source(config: str | os.PathLike, n_layers: int | None = None, seed: int = 0) -> SyntheticSource:
+    """A SyntheticSource for a config file (either JSON form), optionally cut to its first blocks."""
+    args = ModelArgs.from_file(config)
+    return SyntheticSource(truncate_layers(args, n_layers) if n_layers is not None else args, seed)
 
 
 class SyntheticSource(WeightSource):
@@ -43,6 +59,8 @@ class SyntheticSource(WeightSource):
     def load(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         spec = self._specs[name]
         device = torch.device(device)
+        if device.type == "meta":  # shapes and dtypes only (meta kernels of the drawing ops are slow)
+            return torch.empty(spec.shape, dtype=spec.dtype, device=device)
         if spec.dtype == FP8:
             return self._normal(name, spec.shape, device, _FP8_STD).clamp_(-448, 448).to(FP8)
         if name.endswith("weight_scale_inv"):

@@ -170,3 +170,54 @@ def test_real_process_exit_status_and_no_traceback(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "config.json" in proc.stderr
+
+
+def test_streaming_gives_the_same_trace_file(capsys, tiny_checkpoint, tmp_path):
+    ids = "1,2,3,4,5,6,7,8,9,10,11,12"
+    whole, streamed = tmp_path / "whole.safetensors", tmp_path / "streamed.safetensors"
+    assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(whole)]) == 0
+    assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(streamed), "--stream"]) == 0
+    assert whole.read_bytes() == streamed.read_bytes()
+
+
+def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_path):
+    ids = "1,2,3,4,5,6,7,8,9,10,11,12"
+    single, pair = tmp_path / "single.safetensors", tmp_path / "pair.safetensors"
+    assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(single)]) == 0
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "tracing",
+            "run",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--token-ids",
+            ids,
+            "--out",
+            str(pair),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = Trace.load(single), Trace.load(pair)
+    assert set(a.tensors) == set(b.tensors)
+    for name in a.tensors:
+        assert torch.equal(a[name], b[name]), name  # default sites: bitwise the one-process values

@@ -7,7 +7,9 @@ leaves no partial output file behind (outputs are written to a temporary name, t
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,14 +51,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .tables import export
 
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
+    stream = True if args.stream else None  # None: stream when the model does not fit in memory
+    stream_progress = None
+    if rank0 and sys.stderr.isatty():
+        from model.stream import print_progress
+
+        stream_progress = print_progress()
     if args.synthetic:
         if args.prompt is not None:
             raise InputError("synthetic weights have no tokenizer: pass --token-ids instead of --prompt")
-        loaded = open_synthetic(args.synthetic, args.n_layers, device, dtype)
+        loaded = open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, stream_progress)
     else:
         if args.n_layers is not None:
             raise InputError("--n-layers applies to --synthetic only")
-        loaded = open_checkpoint(args.checkpoint, device, dtype)
+        loaded = open_checkpoint(args.checkpoint, device, dtype, stream, stream_progress)
     tokenizer = loaded.tokenizer
     if args.prompt is not None:
         if tokenizer is None:
@@ -68,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = _token_ids(args.token_ids)
     patches = _load_patches(args.patch) if args.patch else None
     interventions = _interventions(args)
-    progress = Progress(len(loaded.model.layers))
+    progress = Progress(len(loaded.model.layers), stream=sys.stderr if rank0 and not loaded.stream else io.StringIO())
     trace = trace_tokens(
         loaded.model,
         ids,
@@ -79,11 +88,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra={"checkpoint": loaded.label},
         token_strings=tokenizer.token_strings if tokenizer else None,
         interventions=interventions,
+        device=loaded.device,
+        context=loaded.context(),
+        plan=loaded.plan,
     )
     progress.close()
-    trace.save(args.out)
-    if args.csv:
-        export(trace, args.csv, parquet=args.parquet)
+    if rank0:
+        trace.save(args.out)
+        if args.csv:
+            export(trace, args.csv, parquet=args.parquet)
     return 0
 
 
@@ -183,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     run.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
-    run.add_argument("--stream", action="store_true", help="load one block at a time (models larger than memory)")
+    run.add_argument(
+        "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
+    )
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
     run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import SafetensorsSource, WeightSource, load_model
-from model.config import ModelArgs
-from model.synthetic import SyntheticSource
+from model.checkpoint import SafetensorsSource, WeightSource, build_model, load_model
+from model.config import ConfigError
+from model.synthetic import synthetic_source
 from model.transformer import Transformer
 
 from .errors import InputError
@@ -42,33 +42,78 @@ def parse_device(name: str) -> torch.device:
     return device
 
 
-def synthetic_source(config: str | Path, n_layers: int | None = None, seed: int = 0) -> SyntheticSource:
-    args = ModelArgs.from_file(config)
-    if n_layers is not None:
-        if not 0 < n_layers <= args.n_layers:
-            raise InputError(f"--n-layers {n_layers}: the config has {args.n_layers} blocks")
-        args = args.replace(n_layers=n_layers, n_dense_layers=min(args.n_dense_layers, n_layers))
-    return SyntheticSource(args, seed=seed)
-
-
 @dataclass
 class Loaded:
-    """A model ready to trace, its tokenizer (None for synthetic weights) and where it came from."""
+    """A model ready to trace, its tokenizer (None for synthetic weights) and where it came from.
+
+    With ``stream`` the model stays on the meta device and ``context()`` streams its weights
+    from ``source`` while it runs; with ``plan`` it is this rank's part of a model split over
+    ranks (torchrun)."""
 
     model: Transformer
     tokenizer: Tokenizer | None
     source: WeightSource
     label: str
+    device: torch.device
+    stream: bool = False
+    plan: object = None
+    progress: object = None
+
+    def context(self):
+        if not self.stream:
+            return None
+        from model.stream import Streamer
+
+        return Streamer(self.model, self.source, self.device, plan=self.plan, progress=self.progress)
 
 
-def open_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> Loaded:
+def open_source(
+    source: WeightSource, label: str, tokenizer: Tokenizer | None, device, dtype, stream: bool | None = None, progress=None
+) -> Loaded:
+    """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
+    over the ranks of a torchrun launch when there is one."""
+    from model import parallel
+    from model.stream import should_stream
+
+    device = torch.device(device)
+    dist = parallel.init_distributed(device)
+    if dist is not None:
+        device = dist.device
+    if stream is None:
+        stream = should_stream(source, device)
+    if stream:
+        model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+        plan = parallel.parallelize(model) if dist is not None else None
+        return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
+    if dist is not None:
+        model, plan = parallel.load_parallel(source, device, dtype)
+        return Loaded(model, tokenizer, source, label, device, False, plan)
+    return Loaded(load_model(source, device, dtype), tokenizer, source, label, device)
+
+
+def open_checkpoint(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    stream: bool | None = False,
+    progress=None,
+) -> Loaded:
     directory = resolve_checkpoint(path)
     source = SafetensorsSource(directory)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
-    model = load_model(source, device, dtype)
-    return Loaded(model, tokenizer, source, "demo" if directory == DEMO else str(directory))
+    return open_source(source, "demo" if directory == DEMO else str(directory), tokenizer, device, dtype, stream, progress)
 
 
-def open_synthetic(config: str | Path, n_layers: int | None = None, device="cpu", dtype=torch.bfloat16) -> Loaded:
-    source = synthetic_source(config, n_layers)
-    return Loaded(load_model(source, device, dtype), None, source, f"synthetic:{config}")
+def open_synthetic(
+    config: str | Path,
+    n_layers: int | None = None,
+    device="cpu",
+    dtype=torch.bfloat16,
+    stream: bool | None = False,
+    progress=None,
+) -> Loaded:
+    try:
+        source = synthetic_source(config, n_layers)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -11,7 +12,6 @@ from model.transformer import Transformer
 
 from .errors import InputError
 from .interventions import Intervention
-from .sites import LOGIT_LENS_TOPK, select
 from .trace import Trace
 from .tracer import Tracer
 
@@ -39,30 +39,26 @@ def trace_tokens(
     max_tokens: int | None = None,
     token_strings: Callable[[list[int]], list[str]] | None = None,
     interventions: Sequence[Intervention] = (),
+    device: torch.device | str | None = None,
+    context: AbstractContextManager | None = None,
+    plan=None,
 ) -> Trace:
     """Run ``ids`` through ``model`` once, recording the chosen sites (default: DESIGN.md's table).
 
     ``token_strings`` (a tokenizer's) names the prompt's tokens and the predicted ones the tables
-    show (logit lens, next token), so a trace file reads without the tokenizer.
+    show (logit lens, next token), so a trace file reads without the tokenizer. ``context`` is
+    entered around the forward after the tracer's hooks (a :class:`model.stream.Streamer`);
+    ``plan`` is the tensor-parallel plan when the model is split over ranks.
     """
     check_token_ids(ids, model, max_tokens)
-    sites = select(model.args, record)
-    # the logit lens reads each block's output: record it for the lens even when not asked to keep it
-    lens_inputs = [
-        f"layers.{i}.resid_post"
-        for i in range(len(model.layers))
-        if f"layers.{i}.logit_lens.topk_indices" in sites or f"layers.{i}.logit_lens.topk_probs" in sites
-    ]
-    hidden = [name for name in lens_inputs if name not in sites]
-    device = model.embed.weight.device
+    if device is None:
+        device = model.embed.weight.device
+        device = torch.device("cpu") if device.type == "meta" else device
     with torch.inference_mode():
         batch = torch.tensor([ids], dtype=torch.long, device=device)
-        with Tracer(model, sites + hidden, patches, on_block, interventions) as tracer:
+        with Tracer(model, record, patches, on_block, interventions, plan) as tracer, context or nullcontext():
             model(batch)
         values = tracer.values
-        _logit_lens(model, values, sites)
-        for name in hidden:
-            values.pop(name, None)
     values["tokens"] = torch.tensor(ids, dtype=torch.int64)
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
     if patches:
@@ -90,19 +86,11 @@ def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
     return sorted(ids)
 
 
-def _logit_lens(model: Transformer, values: dict[str, torch.Tensor], sites: list[str]) -> None:
-    """Final norm and head applied to each block's output (resid_post): top tokens and probabilities."""
-    device = model.embed.weight.device
-    for i in range(len(model.layers)):
-        want_ids = f"layers.{i}.logit_lens.topk_indices"
-        want_probs = f"layers.{i}.logit_lens.topk_probs"
-        if want_ids not in sites and want_probs not in sites:
-            continue
-        stream = values[f"layers.{i}.resid_post"]
-        h = model.norm(stream.to(device), model.dtype)
-        probs = model.head(h.float()).softmax(dim=-1)  # (T, V)
-        top = probs.topk(LOGIT_LENS_TOPK, dim=-1)
-        if want_ids in sites:
-            values[want_ids] = top.indices.cpu()
-        if want_probs in sites:
-            values[want_probs] = top.values.float().cpu()
+def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
+    ids: set[int] = set()
+    for name, value in values.items():
+        if name.endswith("logit_lens.topk_indices"):
+            ids.update(value.flatten().tolist())
+    if "logits.last" in values:
+        ids.update(values["logits.last"].topk(min(top, values["logits.last"].numel())).indices.tolist())
+    return sorted(ids)

@@ -20,7 +20,7 @@ from model.config import ModelArgs
 
 from .errors import InputError
 from .interventions import NEEDS, Intervention, Replace
-from .sites import hook_points, select
+from .sites import LOGIT_LENS_TOPK, hook_points, select
 
 # derived site suffix -> the hook point whose value it is computed from
 _DERIVED_FROM = {
@@ -36,6 +36,12 @@ class Tracer:
     name -> value (the trace's shape, batch dimension dropped) that replaces the site's value.
     ``interventions``: rewrites computed from the pass itself (ablations, dense attention, ...).
     ``on_block``: called with the block index before each block runs (progress).
+    ``plan``: a :class:`model.parallel.ParallelPlan` under tensor parallelism; values that a rank
+    holds only its heads of are gathered (every rank must trace with the same sites).
+
+    The logit lens (final norm and head applied to each block's output) is computed by hooks on
+    the model's own ``norm`` and ``head`` while they run, so it works where weights are present
+    only while used (streaming) and under tensor parallelism.
     """
 
     def __init__(
@@ -45,8 +51,10 @@ class Tracer:
         patches: Mapping[str, torch.Tensor] | None = None,
         on_block: Callable[[int], None] | None = None,
         interventions: Sequence[Intervention] = (),
+        plan=None,
     ):
         self.model = model
+        self.plan = plan
         self.args: ModelArgs = model.args
         self.sites = select(self.args, record)
         self.patches = dict(patches or {})
@@ -90,6 +98,8 @@ class Tracer:
         for name in self.patches:
             if name not in points:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
+            if self.plan is not None and name.endswith(("attn.scores", "attn.probs")) and self.plan.world > 1:
+                raise InputError(f"patch {name!r}: per-head attention values cannot be patched under tensor parallelism")
         replacers: dict[str, list[Replace]] = {}
         for intervention in self.interventions:
             for name, fn in intervention.replacements(self.args).items():
@@ -105,6 +115,8 @@ class Tracer:
         for name in replacers:
             layer, _, suffix = name.partition(".")[2].partition(".")
             keep.update(f"layers.{layer}.{need}" for need in NEEDS.get(suffix, ()))
+        self._lens = sorted({int(n.split(".")[1]) for n in self.sites if ".logit_lens." in n})
+        keep.update(f"layers.{i}.resid_post" for i in self._lens)
         wanted = set(self.sites)
         for name, point in points.items():
             if name in wanted or name in self.patches or name in replacers or name in derived or name in keep:
@@ -123,6 +135,25 @@ class Tracer:
         if self.on_block is not None:
             for i, block in enumerate(self.model.layers):
                 self._handles.append(block.register_forward_pre_hook(self._progress(i)))
+        if self._lens:
+            self._handles.append(self.model.norm.register_forward_hook(self._lens_norm))
+            self._handles.append(self.model.head.register_forward_hook(self._lens_head))
+
+    def _lens_norm(self, module, inputs, output):
+        if self._mine():  # the module's forward, not its __call__: no hooks run again
+            for i in self._lens:
+                stream = self._seen.pop(f"layers.{i}.resid_post")
+                self._seen[f"lens.{i}"] = type(module).forward(module, stream, output.dtype)
+
+    def _lens_head(self, module, inputs, output):
+        if not self._mine():
+            return
+        for i in self._lens:
+            probs = type(module).forward(module, self._seen.pop(f"lens.{i}")[0].float()).softmax(dim=-1)  # (T, V)
+            top = probs.topk(LOGIT_LENS_TOPK, dim=-1)
+            for site, value in (("topk_indices", top.indices), ("topk_probs", top.values.float())):
+                if f"layers.{i}.logit_lens.{site}" in self.sites:
+                    self.values[f"layers.{i}.logit_lens.{site}"] = value.cpu()
 
     def _hook(self, name: str, record: bool, patch, replacers: list[Replace], derived: list[str], keep: bool):
         def hook(module, inputs, output):
@@ -138,10 +169,15 @@ class Tracer:
                 _check_indices(name, value, self.args)
             if keep:
                 self._seen[name] = value
+            whole = value
+            if self.plan is not None and (record or derived):
+                from model.parallel import gather_site
+
+                whole = gather_site(name, value, self.plan)  # all heads (a collective on every rank)
             if record:
-                self.values[name] = _to_cpu(value, module.shape)
+                self.values[name] = _to_cpu(whole, module.shape)
             for target in derived:
-                self.values[target] = self._derive(target, value)
+                self.values[target] = self._derive(target, whole)
             return None if value is output else value
 
         return hook

@@ -1,0 +1,377 @@
+"""Tensor and expert parallelism over ``torch.distributed``, applied to a built model.
+
+The model knows nothing of parallelism (as gpt-fast's ``model.py`` and ``tp.py``): after
+:func:`~model.checkpoint.build_model`, :func:`parallelize` shrinks each rank's parameters to its
+part and swaps a few modules for subclasses that add the collectives; the module tree, and so
+every parameter and hook-point name, stays the same. :func:`load_parallel` then reads only this
+rank's part of each tensor (row ranges straight from the shards, column ranges through
+``load_slice``). Without it the model runs as one process with no collectives, and nothing here
+is a module-level global: the process group is an attribute of the modules that use it.
+
+What is split, as the reference's ``inference/model.py`` (world size W, rank r):
+
+- MLA: ``wq_b`` and ``wkv_b`` column-split (each rank computes H/W heads), ``wo`` row-split and
+  all-reduced in float32 (``RowParallelLinear``). ``wq_a``, ``wkv_a`` and the norms are replicated.
+- The indexer is replicated, as in the reference (its ``wq_b`` is a plain ``Linear``): every rank
+  computes all index heads from the same replicated inputs, so the selected keys are bitwise the
+  same on every rank and as in one process. Splitting its heads would need an all-reduce of the
+  (T, S) scores whose summation order can flip near-tied selections; its weights are small.
+- Dense MLP: ``w1``, ``w3`` column-split, ``w2`` row-split with the all-reduce.
+- MoE: routed experts split by index (rank r holds a contiguous range, the others are None);
+  the gate is replicated; the shared expert is split like the dense MLP.
+- Embedding vocab-parallel (out-of-range ids give zero rows, then an all-reduce; exact), head
+  column-split over the vocabulary with an all-gather of the logits; both replicated when the
+  vocabulary does not divide by W.
+
+Reductions differ from the reference in one respect, on purpose, so that an N-rank trace is the
+one-process trace: each rank's partial product is kept in float32 (the input is cast to float32,
+which is exact) rather than rounded to bfloat16 before the float32 all-reduce, and the routed
+and shared parts of the MoE are reduced separately (the routed sum at its hook point, the shared
+expert inside its row-parallel ``w2``) and added as one process adds them. The reference instead
+rounds partials to bfloat16 and reduces routed + shared partials at once: an N-GPU reference run
+differs from its 1-GPU run by bfloat16 noise; here only by float32 summation order, which moves a
+bfloat16 value by one unit in rare elements.
+
+FP8 weights are split on 128-row/column block boundaries only (a part must own whole scale
+blocks): a layer whose split would cut a block stays replicated, with a note in the plan, or
+raises :class:`ParallelError` with ``strict=True``.
+
+Hook points: every default trace site (``resid_*``, indexer, gate, ``logits.last``) and
+``attn_out``, ``ffn_out``, ``routed_out``, ``shared_out`` see the same value on every rank, the
+one a single process sees. ``attn.scores`` and ``attn.probs`` hold this rank's heads only
+(:data:`RANK_LOCAL`); :func:`gather_site` gathers them (a collective: call it on every rank).
+
+Under ``torchrun``: :func:`init_distributed` (NCCL on CUDA, gloo on CPU), then
+:func:`load_parallel`; every rank runs the same forward with the same hooks (patches too), rank 0
+writes the trace.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import fp8
+from .checkpoint import WeightSource, build_model
+from .hooks import HookPoint
+from .linear import Linear
+from .moe import MLP, MoE
+from .names import to_hf
+from .stream import TensorReader, check_parts
+from .transformer import Embedding, Transformer
+
+RANK_LOCAL = ("attn.scores", "attn.probs")  # hook points that hold this rank's heads (dim 2)
+
+
+class ParallelError(ValueError):
+    """A model that cannot be split over this many ranks as asked."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """The slice ``start:stop`` of dimension ``dim`` (0 rows, 1 columns) of a checkpoint tensor."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass
+class ParallelPlan:
+    """What rank ``rank`` of ``world`` holds: parameter path -> its part (parameters not listed
+    are whole), the range of routed experts it holds, and what stayed replicated and why."""
+
+    rank: int
+    world: int
+    parts: dict[str, Part] = field(default_factory=dict)
+    experts: range = range(0)
+    split_attention: list[int] = field(default_factory=list)  # blocks whose heads are split
+    notes: list[str] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------------------
+# modules with collectives (swapped in for the plain ones; same names, same parameters)
+
+
+class RowParallelLinear(Linear):
+    """Input features split over ranks: float32 partial products, summed by all-reduce."""
+
+    group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x.float())  # exact cast: the partial product stays unrounded
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+
+class ColumnParallelHead(Linear):
+    """Output features (the vocabulary) split over ranks; the logits are all-gathered."""
+
+    group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x).contiguous()
+        parts = [torch.empty_like(y) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, y, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rows vocab_start:vocab_end of the table; other ids give zeros, summed over ranks (exact)."""
+
+    group: Any = None
+    vocab_start: int = 0
+    vocab_end: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outside = (x < self.vocab_start) | (x >= self.vocab_end)
+        y = F.embedding((x - self.vocab_start).masked_fill(outside, 0), self.weight)
+        y = y.float().masked_fill(outside.unsqueeze(-1), 0.0)
+        dist.all_reduce(y, group=self.group)
+        return y.to(self.weight.dtype)
+
+
+class ReducedHookPoint(HookPoint):
+    """A hook point on a value each rank holds part of (the routed experts' sum): reduced first,
+    so hooks see, and may replace, the whole value."""
+
+    group: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() if x.dtype != torch.float32 else x
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+
+def _swap(module: nn.Module, cls: type, **attrs: Any) -> None:
+    module.__class__ = cls
+    for key, value in attrs.items():
+        setattr(module, key, value)
+
+
+# -------------------------------------------------------------------------------------------------
+# the plan
+
+
+def _fits(n: int, world: int, is_fp8: bool) -> str | None:
+    """Why ``n`` features cannot be split in ``world`` equal parts, or None."""
+    if n % world:
+        return f"{n} does not divide by {world} ranks"
+    if is_fp8 and (n // world) % fp8.BLOCK:
+        return f"{n // world} per rank is not a multiple of the {fp8.BLOCK}-wide FP8 scale block"
+    return None
+
+
+def _linear_parts(prefix: str, linear: Linear, dim: int, rank: int, world: int) -> dict[str, Part]:
+    size = (linear.out_features, linear.in_features)[dim]
+    step = size // world
+    parts = {f"{prefix}.weight": Part(dim, rank * step, (rank + 1) * step)}
+    if linear.scale is not None:
+        blocks = step // fp8.BLOCK
+        parts[f"{prefix}.scale"] = Part(dim, rank * blocks, (rank + 1) * blocks)
+    return parts
+
+
+def make_plan(model: Transformer, rank: int, world: int, strict: bool = False) -> ParallelPlan:
+    """Which part of each parameter rank ``rank`` of ``world`` holds (no collectives, no changes)."""
+    args = model.args
+    plan = ParallelPlan(rank, world)
+    if world == 1:
+        plan.experts = range(args.n_routed_experts)
+        return plan
+
+    def note(where: str, why: str) -> None:
+        plan.notes.append(f"{where} replicated: {why}")
+
+    def split_mlp(prefix: str, mlp: MLP) -> bool:
+        why = _fits(mlp.w1.out_features, world, mlp.w1.scale is not None)
+        if why:
+            note(prefix, f"hidden width {why}")
+            return False
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            plan.parts.update(_linear_parts(f"{prefix}.{name}", getattr(mlp, name), dim, rank, world))
+        return True
+
+    for i, block in enumerate(model.layers):
+        attn = block.attn
+        is_fp8 = attn.wq_b.scale is not None
+        why = None if attn.n_heads % world == 0 else f"{attn.n_heads} heads do not divide by {world} ranks"
+        if why is None:
+            h = attn.n_heads // world
+            for what, n in (
+                ("wq_b rows", h * attn.qk_head_dim),
+                ("wkv_b rows", h * (attn.qk_nope_head_dim + attn.v_head_dim)),
+                ("wo columns", h * attn.v_head_dim),
+            ):
+                if is_fp8 and n % fp8.BLOCK:
+                    why = f"{what}: {n} per rank is not a multiple of the {fp8.BLOCK}-wide FP8 scale block"
+                    break
+        if why:
+            note(f"layers.{i}.attn", why)
+        else:
+            plan.split_attention.append(i)
+            for name, dim in (("wq_b", 0), ("wkv_b", 0), ("wo", 1)):
+                plan.parts.update(_linear_parts(f"layers.{i}.attn.{name}", getattr(attn, name), dim, rank, world))
+        if isinstance(block.ffn, MoE):
+            split_mlp(f"layers.{i}.ffn.shared_experts", block.ffn.shared_experts)
+        else:
+            split_mlp(f"layers.{i}.ffn", block.ffn)
+    n = args.n_routed_experts
+    plan.experts = range(n * rank // world, n * (rank + 1) // world)
+    if args.vocab_size % world:
+        note("embed and head", f"vocabulary {args.vocab_size} does not divide by {world} ranks")
+    else:
+        step = args.vocab_size // world
+        plan.parts["embed.weight"] = plan.parts["head.weight"] = Part(0, rank * step, (rank + 1) * step)
+    if strict and plan.notes:
+        raise ParallelError("cannot split the model over {} ranks: {}".format(world, "; ".join(plan.notes)))
+    return plan
+
+
+# -------------------------------------------------------------------------------------------------
+# applying it
+
+
+def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> ParallelPlan:
+    """Split ``model`` (on the meta device, or loaded) for this rank of ``group`` (default: the
+    world); returns the plan. A loaded model keeps its part of each weight; a meta model gets
+    parameters of its part's shape, to load with :func:`materialize_parallel` or to stream."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    plan = make_plan(model, rank, world, strict)
+    if world == 1:
+        return plan
+    for name, part in plan.parts.items():
+        *path, leaf = name.split(".")
+        owner = model.get_submodule(".".join(path))
+        old = owner._parameters[leaf]
+        new = old.detach().narrow(part.dim, part.start, part.stop - part.start)
+        owner._parameters[leaf] = nn.Parameter(new if new.is_meta else new.clone(), requires_grad=False)
+    for m in model.modules():  # shapes the forward reads from attributes
+        if isinstance(m, Linear):
+            m.out_features, m.in_features = m.weight.shape
+    for i, block in enumerate(model.layers):
+        if i in plan.split_attention:
+            block.attn.n_heads //= world  # local heads, the reference's n_local_heads
+            _swap(block.attn.wo, RowParallelLinear, group=group)
+        if isinstance(block.ffn, MoE):
+            moe = block.ffn
+            for j in range(len(moe.experts)):
+                if j not in plan.experts:
+                    moe.experts[j] = None
+            _swap(moe.routed_out, ReducedHookPoint, group=group)
+            if f"layers.{i}.ffn.shared_experts.w2.weight" in plan.parts:
+                _swap(moe.shared_experts.w2, RowParallelLinear, group=group)
+        elif f"layers.{i}.ffn.w2.weight" in plan.parts:
+            _swap(block.ffn.w2, RowParallelLinear, group=group)
+    if "embed.weight" in plan.parts:
+        part = plan.parts["embed.weight"]
+        _swap(model.embed, VocabParallelEmbedding, group=group, vocab_start=part.start, vocab_end=part.stop)
+        _swap(model.head, ColumnParallelHead, group=group)
+    return plan
+
+
+def materialize_parallel(model: Transformer, source: WeightSource, plan: ParallelPlan, device: torch.device | str) -> int:
+    """Assign this rank's part of every parameter of a parallelized meta model; returns bytes read."""
+    reader = TensorReader(source)
+    try:
+        check_parts(model, reader.specs, plan.parts, source)
+        for name, param in list(model.named_parameters()):
+            tensor = reader.read(to_hf(name), device, plan.parts.get(name)).to(param.dtype)
+            *path, leaf = name.split(".")
+            model.get_submodule(".".join(path))._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        return reader.bytes_read
+    finally:
+        reader.close()
+
+
+def load_parallel(
+    source: WeightSource,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    group: Any = None,
+    strict: bool = False,
+) -> tuple[Transformer, ParallelPlan]:
+    """This rank's part of the model, ready to run: build on meta, split, read only this part."""
+    model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+    plan = parallelize(model, group, strict)
+    materialize_parallel(model, source, plan, device)
+    return model.eval(), plan
+
+
+# -------------------------------------------------------------------------------------------------
+# torchrun and rank-local values
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    group: Any
+
+
+def init_distributed(device: torch.device | str | None = None) -> Distributed | None:
+    """Join the process group ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
+    NCCL on CUDA (one GPU per local rank), gloo on CPU. None when not launched with several ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+    return Distributed(rank, world, local_rank, dev, dist.group.WORLD)
+
+
+def is_rank_local(name: str, plan: ParallelPlan | None) -> bool:
+    """Whether hook point ``name`` holds only this rank's heads under ``plan``."""
+    if plan is None or plan.world == 1 or not name.endswith(RANK_LOCAL):
+        return False
+    parts = name.split(".")
+    return parts[0] == "layers" and int(parts[1]) in plan.split_attention
+
+
+def gather_site(name: str, value: torch.Tensor, plan: ParallelPlan | None, group: Any = None) -> torch.Tensor:
+    """The whole value of hook point ``name`` (all heads), as one process sees it. A collective for
+    rank-local sites: every rank must call it, in the same order; others are returned as they are."""
+    if not is_rank_local(name, plan):
+        return value
+    value = value.contiguous()
+    parts = [torch.empty_like(value) for _ in range(plan.world)]
+    dist.all_gather(parts, value, group=group)
+    return torch.cat(parts, dim=2)  # (B, T, H, S)
+
+
+__all__ = [
+    "RANK_LOCAL",
+    "ColumnParallelHead",
+    "Distributed",
+    "ParallelError",
+    "ParallelPlan",
+    "Part",
+    "ReducedHookPoint",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "gather_site",
+    "init_distributed",
+    "is_rank_local",
+    "load_parallel",
+    "make_plan",
+    "materialize_parallel",
+    "parallelize",
+]

@@ -1,0 +1,651 @@
+"""Streaming execution: a prefill through a model whose weights do not fit, one block at a time.
+
+The model is built on the meta device (:func:`model.checkpoint.build_model`) and run by its own
+``forward``: :class:`Streamer` only adds forward hooks from outside. Before a block runs, a
+pre-hook assigns its weights, read from the :class:`~model.checkpoint.WeightSource` onto the
+target device; after it ran, a hook puts the meta parameters back, which frees the weights. The
+embedding, the final norm and the head are streamed the same way. In a MoE block the routed
+experts are not part of the block's load: a hook on the router reads which experts it picked,
+and a pre-hook on each of those experts loads it just before the MoE loop calls it (the loop
+skips experts with no tokens, so unpicked experts are never read); after it ran it is freed.
+
+Because the same module objects run the same code, logits and every hook point's value are
+identical to those of the fully loaded model, and hooks registered by name (tracing) fire as
+usual. A background thread reads ahead: the next block while this one runs, and a few of the
+picked experts while earlier ones run, so at most about two blocks of weights are resident.
+
+    model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+    logits, stats = stream_forward(model, source, tokens, device, progress=print_progress())
+
+or, to call the model yourself (several calls, hooks of your own):
+
+    with Streamer(model, source, device) as streamer:
+        logits = model(tokens)
+    streamer.stats.bytes_read
+
+:func:`should_stream` decides "automatic": stream when the loaded model would not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, SafetensorsSource, TensorSpec, WeightSource, check_tensor
+from .fp8 import FP8
+from .linear import Linear
+from .moe import MoE
+from .names import to_hf
+from .transformer import Transformer
+
+if TYPE_CHECKING:
+    from .parallel import Part
+
+
+# -------------------------------------------------------------------------------------------------
+# reading tensors
+
+
+class TensorReader:
+    """Reads checkpoint tensors (or one rank's part of them) onto a device, counting bytes.
+
+    From a :class:`SafetensorsSource` a tensor, or a range of its rows, is read with ``pread``:
+    the read happens here (in the loader thread, without the GIL), not later as page faults of a
+    memory map in the thread that computes. For the CPU it is read straight into the tensor; for
+    a GPU through a reused (pinned) staging buffer of ``staging_bytes``, so each byte crosses
+    PCIe from page-locked memory and no fresh host pages are faulted in. Other sources go
+    through ``load`` (and ``load_slice`` where they have it).
+    """
+
+    def __init__(self, source: WeightSource, staging_bytes: int = 64 << 20, staging: bool | None = None):
+        self.source = source
+        self.specs = source.specs()
+        self.reads: Counter[str] = Counter()  # checkpoint name -> times read
+        self.bytes_read = 0
+        self.staging_bytes = staging_bytes
+        self._staging = staging  # None: for devices other than the CPU
+        self._stage: torch.Tensor | None = None
+        self._direct = isinstance(source, SafetensorsSource)
+        self._shards: dict[str, tuple[int, int, dict[str, Any]]] = {}  # shard -> (fd, data start, header)
+        self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one staging buffer
+
+    def read(self, name: str, device: torch.device | str, part: Part | None = None) -> torch.Tensor:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.source.where(name)}: tensor {name} is missing from the checkpoint")
+        device = torch.device(device)
+        if self._direct and (part is None or part.dim == 0):
+            tensor = self._pread(name, spec, part, device)
+        elif part is None:
+            tensor = self.source.load(name, "cpu" if self._direct else device)
+        elif hasattr(self.source, "load_slice"):
+            tensor = self.source.load_slice(name, part.dim, part.start, part.stop, device)
+        else:  # a generated source: make the whole tensor, keep this rank's part
+            tensor = self.source.load(name, device).narrow(part.dim, part.start, part.stop - part.start).clone()
+        tensor = tensor.to(device)
+        with self._lock:
+            self.reads[name] += 1
+            self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _pread(self, name: str, spec: TensorSpec, part: Part | None, device: torch.device) -> torch.Tensor:
+        fd, start, header = self._shard(self.source.weight_map[name])
+        entry = header.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.source.where(name)}: tensor {name} is not in the file")
+        begin, end = entry["data_offsets"]
+        shape = list(spec.shape)
+        row_bytes = spec.dtype.itemsize
+        for s in shape[1:]:
+            row_bytes *= s
+        if end - begin != row_bytes * (shape[0] if shape else 1):
+            raise CheckpointError(f"{self.source.where(name)}: tensor {name} has {end - begin} bytes, expected {spec}")
+        if part is not None:
+            begin, shape[0] = begin + part.start * row_bytes, part.stop - part.start
+        nbytes, offset = row_bytes * (shape[0] if shape else 1), start + begin
+        staged = self._staging if self._staging is not None else device.type != "cpu"
+        if not staged:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            self._fill(fd, memoryview(raw.numpy()), offset, name)
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            with self._read_lock:
+                stage = self._staging_buffer(device)
+                view = memoryview(stage.numpy())
+                for done in range(0, nbytes, len(view)):
+                    n = min(len(view), nbytes - done)
+                    self._fill(fd, view[:n], offset + done, name)
+                    raw[done : done + n].copy_(stage[:n])  # from page-locked memory; returns when done
+        return raw.view(spec.dtype).reshape(shape)
+
+    def _fill(self, fd: int, view: memoryview, offset: int, name: str) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.source.where(name)}: file ends inside tensor {name}")
+            done += n
+
+    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
+        if self._stage is None:
+            self._stage = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return self._stage
+
+    def locate(self, name: str) -> tuple[int, int, int]:
+        """Where a tensor's bytes are in its shard: (open file descriptor, offset, length)."""
+        fd, start, header = self._shard(self.source.weight_map[name])
+        begin, end = header[name]["data_offsets"]
+        return fd, start + begin, end - begin
+
+    def _shard(self, shard: str) -> tuple[int, int, dict[str, Any]]:
+        with self._lock:
+            known = self._shards.get(shard)
+            if known is None:
+                path = self.source.directory / shard
+                fd = os.open(path, os.O_RDONLY)
+                (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                header = json.loads(os.pread(fd, size, 8))
+                known = self._shards[shard] = (fd, 8 + size, header)
+            return known
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _, _ in self._shards.values():
+                os.close(fd)
+            self._shards.clear()
+
+
+def check_parts(model: nn.Module, specs: dict[str, TensorSpec], parts: dict[str, Part], source: WeightSource) -> None:
+    """Every parameter of ``model`` present in ``specs`` with its shape (or its part's shape) and
+    dtype; raises CheckpointError naming the first that is not, before anything is read."""
+    for name, p in model.named_parameters():
+        hf = to_hf(name)
+        if hf not in specs:
+            want = TensorSpec(tuple(p.shape), p.dtype)
+            raise CheckpointError(f"{source.where(hf)}: tensor {hf} ({want}) is missing from the checkpoint")
+        found = specs[hf]
+        part = parts.get(name)
+        if part is not None:
+            shape = list(found.shape)
+            shape[part.dim] = part.stop - part.start
+            found = TensorSpec(tuple(shape), found.dtype)
+        check_tensor(hf, found, TensorSpec(tuple(p.shape), p.dtype), source.where(hf))
+
+
+# -------------------------------------------------------------------------------------------------
+# what is loaded together
+
+
+@dataclass
+class _Param:
+    owner: nn.Module
+    leaf: str
+    name: str  # module path, e.g. layers.3.attn.wq_a.weight
+    meta: nn.Parameter  # the meta parameter put back when the weight is freed
+
+
+@dataclass
+class _Unit:
+    """Weights loaded and freed together: the embedding, a block without its routed experts,
+    one routed expert, the final norm, the head."""
+
+    name: str
+    params: list[_Param]
+    block: int | None = None  # the block a unit belongs to
+    nbytes: int = 0
+
+
+@dataclass
+class UnitStats:
+    """One streamed module: bytes read for it, seconds reading, seconds of its forward (wall) and
+    of that time spent waiting for weights. A block's figures include its experts."""
+
+    name: str
+    bytes: int = 0
+    load_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    experts: int = 0
+
+    @property
+    def compute_seconds(self) -> float:
+        return max(self.wall_seconds - self.wait_seconds, 0.0)
+
+
+@dataclass
+class StreamStats:
+    bytes_read: int = 0
+    load_seconds: float = 0.0  # time the reads took (in the loader thread when prefetching)
+    wait_seconds: float = 0.0  # time the forward stood waiting for weights
+    wall_seconds: float = 0.0
+    peak_resident_bytes: int = 0  # weights loaded and not yet freed, at most at once
+    units: dict[str, UnitStats] = field(default_factory=dict)  # embed, layers.N, norm, head
+    reads: Counter[str] = field(default_factory=Counter)  # checkpoint name -> times read
+
+    @property
+    def compute_seconds(self) -> float:
+        return max(self.wall_seconds - self.wait_seconds, 0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """Plain numbers for JSON."""
+        return {
+            "bytes_read": self.bytes_read,
+            "load_seconds": round(self.load_seconds, 4),
+            "wait_seconds": round(self.wait_seconds, 4),
+            "wall_seconds": round(self.wall_seconds, 4),
+            "compute_seconds": round(self.compute_seconds, 4),
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "read_gbps": round(self.bytes_read / self.load_seconds / 1e9, 3) if self.load_seconds else None,
+            "stream_gbps": round(self.bytes_read / self.wall_seconds / 1e9, 3) if self.wall_seconds else None,
+        }
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """Progress after each streamed step (the embedding, each block, the head)."""
+
+    step: int  # 1-based
+    total: int  # n_layers + 2
+    name: str  # "embed", "layers.7", "head"
+    bytes_read: int  # so far, read-ahead included
+    seconds: float  # since the stream started
+    unit: UnitStats
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+ProgressFn = Callable[[StreamEvent], None]
+
+
+# -------------------------------------------------------------------------------------------------
+# the streamer
+
+
+class _Ready:
+    """A load done on demand by the thread that asks (no read-ahead)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._fn = fn
+
+    def result(self) -> Any:
+        return self._fn()
+
+    def cancel(self) -> bool:
+        return True
+
+
+class Streamer:
+    """Context manager that streams ``model``'s weights from ``source`` while the model runs.
+
+    ``model`` must be on the meta device. ``prefetch`` reads ahead in a background thread (the
+    next block, and ``expert_window`` of the picked experts); without it every read happens when
+    the weights are needed, so ``stats`` separates read time from compute exactly.
+    ``synchronize`` (CUDA) waits for the device at each step so per-step times are true.
+    ``plan`` (from :func:`model.parallel.parallelize`) makes each rank read only its part.
+    On exit every weight is freed and the model is back on the meta device. Each forward call
+    inside the context streams every block again (a prefill, or one decode step).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        source: WeightSource,
+        device: torch.device | str = "cpu",
+        *,
+        prefetch: bool = True,
+        expert_window: int = 4,
+        progress: ProgressFn | None = None,
+        synchronize: bool = False,
+        plan: Any = None,
+    ):
+        self.model = model
+        self.source = source
+        self.device = torch.device(device)
+        self.prefetch = prefetch
+        self.expert_window = max(int(expert_window), 1)
+        self.progress = progress
+        self.synchronize = synchronize and self.device.type == "cuda"
+        self.parts: dict[str, Part] = dict(plan.parts) if plan is not None else {}
+        self.stats = StreamStats()
+        self._handles: list[Any] = []
+        self._chain: list[_Unit] = []
+        self._experts: dict[tuple[int, int], _Unit] = {}
+        self._block_experts: dict[int, list[_Unit]] = {}
+        self._pending: dict[str, Any] = {}
+        self._queued: dict[int, deque[int]] = {}
+        self._resident: dict[str, int] = {}
+        self._loaded_unassigned = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._reader: TensorReader | None = None
+        self._cache_flags: list[tuple[Linear, bool]] = []
+        self._t0 = 0.0
+        self._enter_time: dict[str, float] = {}
+
+    # setup -------------------------------------------------------------------------------------
+    def __enter__(self) -> Streamer:
+        model = self.model
+        on_meta = [n for n, p in model.named_parameters() if p.device.type != "meta"]
+        if on_meta:
+            raise ValueError(f"streaming needs a model built on the meta device; {on_meta[0]} holds a tensor")
+        self._reader = TensorReader(self.source)
+        check_parts(self.model, self._reader.specs, self.parts, self.source)
+        self._chain = [self._unit("embed", model.embed)]
+        for i, block in enumerate(model.layers):
+            unit = self._unit(f"layers.{i}", block, skip=".ffn.experts.")
+            unit.block = i
+            self._chain.append(unit)
+            if isinstance(block.ffn, MoE):
+                for j, expert in enumerate(block.ffn.experts):
+                    if expert is not None:
+                        self._experts[i, j] = eu = self._unit(f"layers.{i}.ffn.experts.{j}", expert)
+                        eu.block = i
+                        self._block_experts.setdefault(i, []).append(eu)
+        self._chain += [self._unit("norm", model.norm), self._unit("head", model.head)]
+        for k, unit in enumerate(self._chain):
+            module = model.get_submodule(unit.name)
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(k), prepend=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(k)))
+        for i, j in self._experts:
+            expert = model.layers[i].ffn.experts[j]
+            self._handles.append(expert.register_forward_pre_hook(self._expert_pre_hook(i, j), prepend=True))
+            self._handles.append(expert.register_forward_hook(self._expert_post_hook(i, j)))
+        for i, block in enumerate(model.layers):
+            if isinstance(block.ffn, MoE):
+                self._handles.append(block.ffn.gate.register_forward_hook(self._gate_hook(i)))
+        # each weight is used once per forward: do not keep float32 copies of FP8 weights
+        for m in model.modules():
+            if isinstance(m, Linear):
+                self._cache_flags.append((m, m.cache_dequantized))
+                m.cache_dequantized = False
+        if self.prefetch:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-loader")
+        self._t0 = time.perf_counter()
+        self._pending[self._chain[0].name] = self._submit(self._chain[0])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for fut in self._pending.values():
+            fut.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._pending.clear()
+        for unit in [*self._chain, *self._experts.values()]:
+            self._free(unit)
+        for m, flag in self._cache_flags:
+            m.cache_dequantized = flag
+        self._cache_flags.clear()
+        if self._reader is not None:
+            self.stats.reads = self._reader.reads
+            self.stats.bytes_read = self._reader.bytes_read
+            self._reader.close()
+        self.stats.wall_seconds = time.perf_counter() - self._t0
+
+    def replay(self, picked: dict[int, list[int]] | None = None) -> None:
+        """Read and free every step as a forward would, without computing: the embedding, each
+        block with the experts ``picked[block]``, the norm, the head. For measuring the reads
+        (a benchmark's load-only pass), with the same reader, read-ahead and bookkeeping."""
+        picked = picked or {}
+        for k, unit in enumerate(self._chain):
+            module = self.model.get_submodule(unit.name)
+            self._pre_hook(k)(module, ())
+            if unit.block is not None and unit.block in self._block_experts:
+                chosen = torch.tensor(sorted(picked.get(unit.block, ())), dtype=torch.int64)
+                self._gate_hook(unit.block)(module, (), (None, chosen))
+                for j in chosen.tolist():
+                    if (unit.block, j) in self._experts:
+                        self._expert_pre_hook(unit.block, j)(module, ())
+                        self._expert_post_hook(unit.block, j)(module, (), None)
+            self._post_hook(k)(module, (), None)
+
+    def _unit(self, name: str, module: nn.Module, skip: str | None = None) -> _Unit:
+        params = []
+        for pname, p in module.named_parameters(prefix=name):
+            if skip and skip in pname:
+                continue
+            *path, leaf = pname[len(name) + 1 :].split(".")
+            owner = module
+            for part in path:
+                owner = getattr(owner, part)
+            params.append(_Param(owner, leaf, pname, p))
+        return _Unit(name, params)
+
+    # loading and freeing -----------------------------------------------------------------------
+    def _submit(self, unit: _Unit) -> Any:
+        if self._pool is None:
+            return _Ready(lambda: self._load(unit))
+        return self._pool.submit(self._load, unit)
+
+    def _load(self, unit: _Unit) -> list[torch.Tensor]:
+        t = time.perf_counter()
+        tensors, nbytes = [], 0
+        for p in unit.params:
+            tensor = self._reader.read(to_hf(p.name), self.device, self.parts.get(p.name))
+            if tensor.dtype != p.meta.dtype:
+                tensor = tensor.to(p.meta.dtype)
+            tensors.append(tensor)
+            nbytes += tensor.numel() * tensor.element_size()
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t
+        with self._lock:
+            unit.nbytes = nbytes
+            self.stats.load_seconds += seconds
+            self._loaded_unassigned += nbytes
+            self._note_peak()
+            owner = self.stats.units.setdefault(self._owner_name(unit), UnitStats(self._owner_name(unit)))
+            owner.bytes += nbytes
+            owner.load_seconds += seconds
+            if unit.name != owner.name:
+                owner.experts += 1
+        return tensors
+
+    def _owner_name(self, unit: _Unit) -> str:
+        return f"layers.{unit.block}" if unit.block is not None else unit.name
+
+    def _note_peak(self) -> None:
+        now = sum(self._resident.values()) + self._loaded_unassigned
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, now)
+
+    def _take(self, unit: _Unit) -> None:
+        """Wait for ``unit``'s tensors (reading them now if nobody did) and assign them."""
+        if unit.name in self._resident:
+            return
+        fut = self._pending.pop(unit.name, None) or self._submit(unit)
+        t = time.perf_counter()
+        tensors = fut.result()
+        waited = time.perf_counter() - t
+        self.stats.wait_seconds += waited
+        owner = self.stats.units.get(self._owner_name(unit))
+        if owner is not None:
+            owner.wait_seconds += waited
+        for p, tensor in zip(unit.params, tensors, strict=True):
+            p.owner._parameters[p.leaf] = nn.Parameter(tensor, requires_grad=False)
+        with self._lock:
+            self._loaded_unassigned -= unit.nbytes
+            self._resident[unit.name] = unit.nbytes
+
+    def _free(self, unit: _Unit) -> None:
+        for p in unit.params:
+            p.owner._parameters[p.leaf] = p.meta
+        with self._lock:
+            self._resident.pop(unit.name, None)
+
+    def _ahead(self, unit: _Unit) -> None:
+        if unit.name not in self._pending and unit.name not in self._resident:
+            self._pending[unit.name] = self._submit(unit)
+
+    # hooks -------------------------------------------------------------------------------------
+    def _pre_hook(self, k: int) -> Callable[..., None]:
+        unit = self._chain[k]
+
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.synchronize:
+                torch.cuda.synchronize(self.device)
+            self._enter_time[unit.name] = time.perf_counter()
+            if k + 1 < len(self._chain):
+                self._ahead(self._chain[k + 1])  # read the next step while this one runs
+            self._take(unit)
+
+        return hook
+
+    def _post_hook(self, k: int) -> Callable[..., None]:
+        unit = self._chain[k]
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.synchronize:
+                torch.cuda.synchronize(self.device)
+            self._free(unit)
+            if unit.block is not None:
+                for eu in self._block_experts.get(unit.block, ()):
+                    self._free(eu)
+                self._queued.pop(unit.block, None)
+            stats = self.stats.units.setdefault(unit.name, UnitStats(unit.name))
+            stats.wall_seconds += time.perf_counter() - self._enter_time.pop(unit.name, time.perf_counter())
+            if self.progress is not None and unit.name != "norm":
+                step = k + 1 - (1 if unit.name == "head" else 0)
+                total = len(self._chain) - 1
+                with self._lock:
+                    done = self._reader.bytes_read
+                self.progress(StreamEvent(step, total, unit.name, done, time.perf_counter() - self._t0, stats))
+
+        return hook
+
+    def _gate_hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+            picked = sorted(set(output[1].flatten().tolist()))  # the MoE loop's order
+            order = deque(j for j in picked if (i, j) in self._experts)
+            for _ in range(min(self.expert_window, len(order))):
+                self._ahead(self._experts[i, order.popleft()])
+            self._queued[i] = order
+
+        return hook
+
+    def _expert_pre_hook(self, i: int, j: int) -> Callable[..., None]:
+        unit = self._experts[i, j]
+
+        def hook(module: nn.Module, args: Any) -> None:
+            order = self._queued.get(i)
+            if order:
+                self._ahead(self._experts[i, order.popleft()])
+            self._take(unit)
+
+        return hook
+
+    def _expert_post_hook(self, i: int, j: int) -> Callable[..., None]:
+        unit = self._experts[i, j]
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._free(unit)
+
+        return hook
+
+
+def stream_forward(
+    model: Transformer,
+    source: WeightSource,
+    tokens: torch.Tensor,
+    device: torch.device | str | None = None,
+    *,
+    all_logits: bool = False,
+    **options: Any,
+) -> tuple[torch.Tensor, StreamStats]:
+    """One prefill of ``tokens`` (B, T) streamed block by block; returns (logits, stats).
+
+    Same result as ``load_model(source, device)(tokens, all_logits=...)``, hooks included.
+    ``options`` go to :class:`Streamer` (prefetch, expert_window, progress, synchronize, plan).
+    """
+    device = torch.device(device) if device is not None else tokens.device
+    with Streamer(model, source, device, **options) as streamer, torch.inference_mode():
+        logits = model(tokens.to(device), all_logits=all_logits)
+    return logits, streamer.stats
+
+
+# -------------------------------------------------------------------------------------------------
+# progress and the "automatic" decision
+
+
+def print_progress(out: TextIO | None = None, width: int = 24) -> ProgressFn:
+    """A one-line progress bar: step, bytes read, throughput, elapsed (for the command line)."""
+    stream = out or sys.stderr
+
+    def show(e: StreamEvent) -> None:
+        filled = round(width * e.step / e.total)
+        bar = "#" * filled + "." * (width - filled)
+        line = f"\r[{bar}] {e.step}/{e.total} {e.name:<10} {e.bytes_read / 1e9:8.2f} GB  {e.gbps:6.2f} GB/s  {e.seconds:7.1f} s"
+        stream.write(line + ("\n" if e.step == e.total else ""))
+        stream.flush()
+
+    return show
+
+
+def model_bytes(source: WeightSource, device: torch.device | str = "cpu") -> int:
+    """Memory the fully loaded model takes on ``device``: its weights, plus on the CPU the float32
+    copy :class:`~model.linear.Linear` keeps of each FP8 weight once used (4 bytes per weight)."""
+    specs = source.specs()
+    total = 0
+    cpu = torch.device(device).type == "cpu"
+    for spec in specs.values():
+        numel = 1
+        for s in spec.shape:
+            numel *= s
+        total += numel * spec.dtype.itemsize
+        if cpu and spec.dtype == FP8:
+            total += numel * 4
+    return total
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Free memory of ``device`` in bytes (CUDA: free device memory; CPU: MemAvailable)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def should_stream(source: WeightSource, device: torch.device | str = "cpu", reserve: float = 0.15) -> bool:
+    """True when the loaded model would not fit in ``device``'s free memory, keeping ``reserve``
+    (a fraction) of it for activations: the CLI's "automatic" streaming."""
+    return model_bytes(source, device) > available_memory(device) * (1.0 - reserve)
+
+
+__all__ = [
+    "StreamEvent",
+    "StreamStats",
+    "Streamer",
+    "TensorReader",
+    "UnitStats",
+    "available_memory",
+    "check_parts",
+    "model_bytes",
+    "print_progress",
+    "should_stream",
+    "stream_forward",
+]
