@@ -33,17 +33,30 @@ def component(name: str) -> str:
     return next((label for key, label in _BLOCK_COMPONENTS if key in name), "other")
 
 
+def block_components(args: ModelArgs, gate_bias: bool | None = None) -> tuple[dict[str, int], list[dict[str, int]]]:
+    """Parameters per component outside the blocks, and inside each block. Every dense block is
+    alike and so is every MoE block: a model cut after its first MoE block is built (on the meta
+    device, milliseconds where the 671B model takes seconds) and its blocks stand for the rest."""
+    small = args.replace(n_layers=min(args.n_layers, args.n_dense_layers + 1))
+    top: Counter[str] = Counter()
+    blocks: list[Counter[str]] = [Counter() for _ in range(small.n_layers)]
+    for name, p in build_model(small, gate_bias=gate_bias).named_parameters():
+        if name.endswith(".scale"):  # FP8 block scales are not weights
+            continue
+        if name.startswith("layers."):
+            blocks[int(name.split(".")[1])][component(name)] += p.numel()
+        else:
+            top[component(name)] += p.numel()
+    per_layer = [dict(blocks[min(i, len(blocks) - 1)]) for i in range(args.n_layers)]
+    return dict(top), per_layer
+
+
 def count_params(args: ModelArgs, gate_bias: bool | None = None) -> dict[str, Any]:
     """Total and activated parameters, per component and per block."""
-    model = build_model(args, gate_bias=gate_bias)
-    by_component: Counter[str] = Counter()
-    per_layer = [0] * args.n_layers
-    for name, p in model.named_parameters():
-        if name.endswith(".scale"):
-            continue
-        by_component[component(name)] += p.numel()
-        if name.startswith("layers."):
-            per_layer[int(name.split(".")[1])] += p.numel()
+    top, per_layer = block_components(args, gate_bias)
+    by_component: Counter[str] = Counter(top)
+    for block in per_layer:
+        by_component.update(block)
     total = sum(by_component.values())
     expert = args.dim * args.moe_inter_dim * 3
     inactive = (args.n_routed_experts - args.n_activated_experts) * expert * args.n_moe_layers
@@ -54,5 +67,5 @@ def count_params(args: ModelArgs, gate_bias: bool | None = None) -> dict[str, An
         "activated_params_with_embedding": activated + by_component["embedding"],
         "params_per_expert": expert,
         "components": dict(sorted(by_component.items())),
-        "per_layer": per_layer,
+        "per_layer": [sum(block.values()) for block in per_layer],
     }

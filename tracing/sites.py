@@ -56,14 +56,23 @@ def hook_points(model: torch.nn.Module) -> dict[str, HookPoint]:
 def _site_shapes_cached(args: ModelArgs, with_bias: bool) -> dict[str, tuple[str, torch.dtype]]:
     from model.checkpoint import build_model
 
-    model = build_model(args, gate_bias=with_bias)
+    # every dense block has the same hook points, and so has every MoE block: a model cut after
+    # its first MoE block names them all (building the 671B model on meta takes seconds)
+    small = args.replace(n_layers=min(args.n_layers, args.n_dense_layers + 1))
+    template: dict[int, list[tuple[str, str, torch.dtype]]] = {}
     out: dict[str, tuple[str, torch.dtype]] = {}
-    for name, point in hook_points(model).items():
+    for name, point in hook_points(build_model(small, gate_bias=with_bias)).items():
         dtype = torch.int64 if name.endswith(("topk_indices", ".groups")) else torch.float32
-        out[name] = (point.shape, dtype)
+        m = re.match(r"layers\.(\d+)\.(.*)", name)
+        if m is None:
+            out[name] = (point.shape, dtype)
+        else:
+            template.setdefault(int(m.group(1)), []).append((m.group(2), point.shape, dtype))
     for i in range(args.n_layers):
-        for suffix, (shape, dtype, _) in DERIVED.items():
-            out[f"layers.{i}.{suffix}"] = (shape, dtype)
+        for suffix, legend, dtype in template[min(i, small.n_layers - 1)]:
+            out[f"layers.{i}.{suffix}"] = (legend, dtype)
+        for suffix, (legend, dtype, _) in DERIVED.items():
+            out[f"layers.{i}.{suffix}"] = (legend, dtype)
     return out
 
 

@@ -1,0 +1,186 @@
+"""The sidebar: model source, prompt and Trace button, block selector. It decides which trace the
+session shows; messages (errors, progress) go to the ``notices`` container at the top of the page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from app import state
+from app.widgets import escape_md
+
+SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "upload": "Trace file"}
+
+
+def _source_label(value: str) -> str:
+    default = state.default_checkpoint()
+    if value == "demo" and default != "demo":
+        return f"Default checkpoint ({Path(default).name})"
+    return SOURCE_LABELS[value]
+
+
+def render(notices) -> None:
+    """Draw the sidebar, run what it asks for, and leave the session's trace key set (or None)."""
+    with st.sidebar:
+        st.markdown("#### Model")
+        source = st.radio(
+            "Model source",
+            state.SOURCES,
+            key="source",
+            format_func=_source_label,
+            help="The bundled demo is a tiny trained DeepSeek-V3.2 with every mechanism of the real one. "
+            "A trace file (.safetensors from `python -m tracing run`) opens without any model.",
+        )
+        om = None
+        if source in ("demo", "dir"):
+            om = _model_source(source, notices)
+        else:
+            _upload_source(notices)
+
+        if source != "upload":
+            st.markdown("#### Prompt")
+            st.text_area(
+                "Prompt",
+                key="prompt",
+                height=110,
+                max_chars=20_000,
+                disabled=om is None,
+                label_visibility="collapsed",
+                help=f"Up to {state.max_tokens()} tokens.",
+            )
+            with st.expander("Run options"):
+                st.radio(
+                    "Activation dtype",
+                    state.DTYPES,
+                    key="dtype",
+                    horizontal=True,
+                    help="bfloat16 as the reference; float32 shows the same computation without its rounding",
+                )
+            run = st.button("Trace", type="primary", disabled=om is None, width="stretch", key="run")
+            if om is not None:
+                _trace(om, run, notices)
+        _ensure_current(om, notices)
+        _block_selector()
+
+
+def _model_source(source: str, notices):
+    value = (
+        state.default_checkpoint()
+        if source == "demo"
+        else st.text_input(
+            "Checkpoint directory",
+            key="ckpt_dir",
+            placeholder="/data/DeepSeek-V3.2-Exp",
+            help="A Hugging Face layout directory: config.json, model.safetensors.index.json and shards, tokenizer.json",
+        )
+    )
+    if source == "dir" and not value.strip():
+        st.caption("Type the path of a checkpoint directory and press Enter.")
+        return None
+    try:
+        om = state.open_model(value, st.session_state["dtype"])
+    except state.BAD_INPUT as exc:
+        notices.error(f"**Checkpoint not loaded.** {escape_md(str(exc))}", icon=":material/error:")
+        return None
+    st.caption(
+        f"{om.label}: {om.args.n_layers} blocks, d = {om.args.dim}, {om.args.n_routed_experts} experts, "
+        f"vocabulary {om.args.vocab_size:,}"
+    )
+    for note in om.notes:
+        st.caption(f":material/info: {note}")
+    return om
+
+
+def _upload_source(notices) -> None:
+    upload = st.file_uploader(
+        "Trace file",
+        type=["safetensors"],
+        key="upload",
+        help="A trace written by `python -m tracing run ... --out trace.safetensors` or downloaded from the Export page.",
+    )
+    if upload is None:
+        st.caption(
+            "Drop a trace file here: it is read as data only (never unpickled) and needs no model. "
+            "Until then the pages show the last trace."
+        )
+        return
+    try:
+        entry = state.open_upload(upload.getvalue(), upload.name)
+    except state.BAD_INPUT as exc:
+        notices.error(f"**Trace file not opened.** {escape_md(str(exc))}", icon=":material/error:")
+        return
+    st.session_state["trace_key"] = entry.key
+
+
+def _trace(om: state.OpenModel, run: bool, notices) -> None:
+    """Trace on the button, on first load, and when the model changed under the shown trace."""
+    key = st.session_state.get("trace_key")
+    same_model = key is not None and key[0] == "model" and key[1] == str(om.path) and key[2] == om.dtype
+    if not run and same_model:
+        return
+    prompt = st.session_state.get("prompt", "")
+    if state.store().get(state.model_key(om, prompt)) is not None:
+        st.session_state["trace_key"] = state.model_key(om, prompt)
+        return
+    bar = notices.progress(0.0, text="Tracing…")
+    n = om.args.n_layers
+
+    def on_block(i: int) -> None:
+        bar.progress(i / n, text=f"Tracing block {i} ({i + 1} of {n})…")
+
+    try:
+        entry = state.trace_prompt(om, prompt, on_block)
+    except state.BAD_INPUT as exc:
+        bar.empty()
+        notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
+        return
+    bar.empty()
+    st.session_state["trace_key"] = entry.key
+
+
+def _ensure_current(om: state.OpenModel | None, notices) -> None:
+    """The store may have dropped this session's trace (other sessions filled it): make it again."""
+    key = st.session_state.get("trace_key")
+    if key is None or state.store().get(key) is not None:
+        return
+    if key[0] == "model" and len(key) == 4:  # a plain trace (one with patches is its page's to make)
+        try:
+            model = om if om is not None and str(om.path) == key[1] and om.dtype == key[2] else state.open_model(key[1], key[2])
+            state.trace_prompt(model, key[3])
+            return
+        except state.BAD_INPUT as exc:
+            notices.error(f"**The trace could not be made again.** {escape_md(str(exc))}", icon=":material/error:")
+    upload = st.session_state.get("upload")
+    if key[0] == "upload" and upload is not None:
+        try:
+            state.open_upload(upload.getvalue(), upload.name)
+            return
+        except state.BAD_INPUT:
+            pass
+    st.session_state["trace_key"] = None
+
+
+def _block_selector() -> None:
+    entry = state.current_entry()
+    st.markdown("#### Block")
+    if entry is None:
+        st.caption("No trace yet.")
+        return
+    cfg = entry.trace.config
+    if st.session_state.get("block", 0) >= cfg.n_layers:
+        st.session_state["block"] = cfg.n_layers - 1
+    st.selectbox(
+        "Block",
+        range(cfg.n_layers),
+        key="block",
+        format_func=lambda i: f"{i} · {'MoE' if cfg.is_moe(i) else 'dense'}",
+        label_visibility="collapsed",
+        help="The block the cards and per-block views show",
+    )
+    trace = entry.trace
+    prompt_now = st.session_state.get("prompt", "")
+    done = "traced" if entry.traced else "read"
+    st.caption(f"Showing {trace.n_tokens} tokens from {entry.origin}, {done} in {entry.seconds:.2f} s")
+    if entry.traced and st.session_state.get("source") != "upload" and prompt_now != trace.prompt:
+        st.caption(":material/edit: The prompt changed: press **Trace** to see it.")

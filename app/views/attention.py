@@ -1,0 +1,83 @@
+"""Attention and indexer: index scores with the selected keys, the main attention pattern, the
+indexer's recall of the dense attention mass, and one query in detail."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app import card_plots, plots, shaping, state, widgets
+
+
+def page() -> None:
+    view = state.current()
+    widgets.page_header(
+        "Attention & indexer",
+        "DeepSeek Sparse Attention: the lightning indexer scores every earlier key for each query and keeps "
+        "the top-k; MLA then attends only to those. Compare what the indexer chose with where attention went.",
+        view,
+    )
+    if view is None:
+        widgets.no_trace()
+        return
+    widgets.compact_cards(["indexer", "sparse_mask", "mla"], view, key="attention")
+    block = view.block
+    k = min(view.config.index_topk, view.n_tokens)
+    st.subheader(f"Block {block}: index scores and attention", anchor=False)
+    if view.n_tokens <= view.config.index_topk:
+        st.caption(
+            f":material/info: The prompt has {view.n_tokens} tokens and index_topk is {view.config.index_topk}: every "
+            "query keeps all its earlier keys, so sparse attention equals dense attention here. Trace a prompt longer "
+            f"than {view.config.index_topk} tokens to see keys dropped."
+        )
+    heads = shaping.recorded_heads(view.trace, block)
+    head = None
+    if heads:
+        pick, _ = st.columns([1, 3])
+        choice = pick.selectbox(
+            "Attention heads (right plot)",
+            ["mean", *range(heads)],
+            key="attention_head",
+            format_func=lambda h: "mean over heads" if h == "mean" else f"head {h}",
+        )
+        head = None if choice == "mean" else int(choice)
+    left, right = st.columns(2, gap="large")
+    with left:
+        if widgets.memo_chart(view, "index_scores", lambda: card_plots.index_scores(view, block), block) is None:
+            widgets.missing("No index scores", ["layers.{i}.attn.indexer.scores"], block)
+    with right:
+        fig = widgets.memo_chart(
+            view, "attention_pattern", lambda: card_plots.attention_pattern(view, block, head=head), block, head
+        )
+        if fig is None:
+            widgets.missing("No attention pattern", ["layers.{i}.attn.probs_mean"], block)
+
+    st.subheader("Indexer recall", anchor=False)
+    st.caption(
+        f"For each query: the share of dense attention's probability mass (softmax over all earlier keys, mean "
+        f"over heads) that falls on the {k} keys the indexer kept. 1 = nothing lost."
+    )
+    got = shaping.recall_grid(view.table("indexer_recall"), view.n_tokens)
+    if got is None:
+        widgets.missing("No recall", ["layers.{i}.attn.indexer.recall"])
+    else:
+        widgets.memo_chart(view, "recall", lambda: plots.recall(got[0], got[1], card_plots.labels(view)))
+
+    st.subheader("One query in detail", anchor=False)
+    labels = card_plots.labels(view)
+    if st.session_state.get("query", 0) >= view.n_tokens:
+        st.session_state["query"] = view.n_tokens - 1
+    if "query" not in st.session_state:
+        st.session_state["query"] = view.n_tokens - 1
+    query = st.selectbox("Query position", range(view.n_tokens), key="query", format_func=lambda i: labels[i])
+    df = shaping.query_profile(view.trace, block, query)
+    if df is None:
+        widgets.missing("No index scores", ["layers.{i}.attn.indexer.scores"], block)
+    else:
+        token = shaping.token_texts(view.trace)[query]
+        widgets.memo_chart(view, "query_profile", lambda: plots.query_profile(df, query, token, block), block, query)
+        with st.expander("As a table"):
+            st.dataframe(df, hide_index=True, width="stretch")
+
+
+if __name__ == "__main__":
+    page()

@@ -1,0 +1,333 @@
+"""The Streamlit app, run headless with AppTest on the bundled demo (a tiny checkpoint with a tokenizer
+stands in while assets/demo is absent): every page renders its cards and plots, exports write the
+tables' CSV header, and each kind of bad input gives its message while the app stays usable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as save_tensors
+from streamlit.testing.v1 import AppTest
+
+from app import cards, shaping, state
+from app.devcheckpoint import demo_or_dev_checkpoint
+from model.config import ModelArgs
+from tracing.tables import to_csv_bytes
+
+APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
+PAGES = ["model_map", "anatomy", "residual", "attention", "router", "export"]
+REAL = ModelArgs.from_file(Path(__file__).resolve().parents[1] / "assets" / "configs" / "config_671B_hf.json")
+TIMEOUT = 120  # the first run loads the model and traces the default prompt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_torch_threads():
+    """The app runs a small model on one CPU thread (app.state._set_threads); give the rest of the
+    test session its threads back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
+
+
+@pytest.fixture()
+def app(checkpoint, monkeypatch) -> AppTest:
+    monkeypatch.setenv(state.ENV_CHECKPOINT, checkpoint)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def plotly_charts(at: AppTest) -> list:
+    return at.get("plotly_chart")
+
+
+def messages(elements) -> str:
+    """The elements' text, Markdown escapes removed."""
+    return " ".join(str(e.value) for e in elements).replace("\\", "")
+
+
+def shown_entry(at: AppTest) -> state.Entry:
+    entry = state.store().get(at.session_state["trace_key"])
+    assert entry is not None
+    return entry
+
+
+# --- pages -------------------------------------------------------------------------------------------------
+def test_first_load_traces_the_default_prompt(app):
+    assert not app.error, messages(app.error)
+    entry = shown_entry(app)
+    assert entry.trace.prompt == state.DEFAULT_PROMPT and entry.trace.n_tokens > 10
+    assert app.latex and plotly_charts(app)
+    assert any("Showing" in c.value and "tokens" in c.value for c in app.caption)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_cards_and_plots(app, page):
+    app.switch_page(f"views/{page}.py").run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert not app.error, messages(app.error)
+    if page != "export":
+        assert len(app.latex) >= 1, "the page shows no card equation"
+        assert len(plotly_charts(app)) >= 1, "the page shows no plot"
+        assert app.code, "the page shows no code excerpt"
+
+
+def test_every_card_on_the_anatomy_page(app):
+    app.switch_page("views/anatomy.py").run()
+    all_cards = cards.load_cards()
+    for card_id, card in all_cards.items():
+        app.button_group(key="anatomy_component").set_value(card_id).run()
+        assert not app.exception, (card_id, [e.value for e in app.exception])
+        assert [e.value.strip("$\n") for e in app.latex] == list(card.equations), card_id
+        assert len(plotly_charts(app)) == 1, card_id
+        excerpts = [cards.excerpt(anchor) for anchor in card.code]
+        assert [c.value for c in app.code] == [e.text() for e in excerpts], card_id
+    app.button_group(key="anatomy_component").set_value("all").run()
+    assert not app.exception
+    assert len(plotly_charts(app)) == len(all_cards)
+
+
+@pytest.mark.parametrize("page", ["anatomy", "attention", "router", "residual"])
+def test_switching_blocks(app, page):
+    app.switch_page(f"views/{page}.py").run()
+    cfg = shown_entry(app).trace.config
+    for block in (cfg.n_layers - 1, 0):
+        app.selectbox(key="block").set_value(block).run()
+        assert not app.exception, (block, [e.value for e in app.exception])
+        assert any(f"block {block}" in str(m.value) for m in app.markdown), block
+    if page == "router" and not cfg.is_moe(0):
+        assert "is dense (no router)" in messages(app.info)
+
+
+def test_router_page_recomputes_the_traced_selection(app):
+    """The bias comparison re-runs the group-limited top-k from the recorded scores: on the traced
+    biased scores it must give exactly the experts the model chose."""
+    trace = shown_entry(app).trace
+    for block in shaping.moe_blocks(trace):
+        effect = shaping.bias_effect(trace, block)
+        assert effect is not None and effect.reproduced, block
+
+
+# --- export -----------------------------------------------------------------------------------------------
+def test_export_offers_every_table_with_its_csv_header(app):
+    app.switch_page("views/export.py").run()
+    assert not app.exception
+    entry = shown_entry(app)
+    tables = entry.tables()
+    shown = [c.value for c in app.code]
+    for name, frame in tables.items():
+        header = to_csv_bytes(frame).decode("utf-8").split("\r\n", 1)[0]
+        assert header in shown, name
+    router = to_csv_bytes(tables["router"]).decode("utf-8").split("\r\n", 1)[0]
+    assert router == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
+    assert to_csv_bytes(tables["tokens"]).decode("utf-8").startswith("position,token_id,token\r\n0,")
+    labels = [b.label for b in app.get("download_button")]
+    assert labels.count("CSV") == len(tables) and labels.count("Parquet") == len(tables)
+    assert "Trace file (.safetensors)" in labels
+    assert entry.trace_bytes()[:8]  # the trace file the button serves
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+def trace_prompt(at: AppTest, prompt: str) -> AppTest:
+    at.text_area(key="prompt").set_value(prompt)
+    return at.button(key="run").click().run()
+
+
+def test_missing_demo_says_how_to_get_one(monkeypatch, tmp_path):
+    monkeypatch.setenv(state.ENV_CHECKPOINT, "demo")
+    monkeypatch.setattr(state, "DEMO", tmp_path / "no-demo")
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception
+    assert "scripts/train_demo.py" in messages(at.error)
+    assert "Nothing traced yet" in messages(at.info)  # the page says what to do instead
+
+
+def test_empty_prompt_says_so_and_keeps_the_last_trace(app):
+    before = app.session_state["trace_key"]
+    trace_prompt(app, "   ")
+    assert "The prompt is empty" in messages(app.error)
+    assert app.session_state["trace_key"] == before and not app.exception
+    trace_prompt(app, "The quick brown fox jumps over the lazy dog.")
+    assert not app.error and shown_entry(app).trace.prompt == "The quick brown fox jumps over the lazy dog."
+    app.switch_page("views/attention.py").run()
+    assert not app.exception and plotly_charts(app)
+
+
+def test_too_long_prompt_says_so(app):
+    trace_prompt(app, "the quick brown fox " * 600)
+    assert "The prompt is too long" in messages(app.error)
+    assert not app.exception
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp / "does-not-exist", "no such directory"),
+        (lambda tmp: (tmp / "file.txt").write_text("x") and tmp / "file.txt", "is a file, not a checkpoint directory"),
+        (lambda tmp: tmp, "no config.json here"),
+        (lambda tmp: (tmp / "config.json").write_text("{not json") and tmp, "not a readable JSON config"),
+        (
+            lambda tmp: (tmp / "config.json").write_text(json.dumps(REAL.to_hf())) and tmp,
+            "no model.safetensors.index.json",
+        ),
+    ],
+)
+def test_bad_checkpoint_directory_says_why(app, tmp_path, make, message):
+    path = make(tmp_path)
+    app.radio(key="source").set_value("dir").run()
+    app.text_input(key="ckpt_dir").set_value(str(path)).run()
+    assert "Checkpoint not loaded" in messages(app.error) and message in messages(app.error)
+    assert not app.exception
+    app.switch_page("views/residual.py").run()  # the last good trace is still there to look at
+    assert not app.exception and plotly_charts(app)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"definitely not a safetensors file", "not a readable trace file"),
+        (save_tensors({"x": torch.zeros(2)}), "format is None"),
+    ],
+)
+def test_corrupt_trace_upload_says_why(app, data, message):
+    app.radio(key="source").set_value("upload").run()
+    app.file_uploader(key="upload").set_value(("broken.safetensors", data, "application/octet-stream")).run()
+    assert "Trace file not opened" in messages(app.error) and message in messages(app.error)
+    assert "broken.safetensors" in messages(app.error)
+    assert not app.exception
+
+
+def test_uploaded_trace_is_viewable_with_no_model(app, tmp_path, monkeypatch):
+    data = shown_entry(app).trace_bytes()
+    monkeypatch.setenv(state.ENV_CHECKPOINT, str(tmp_path / "no-model-here"))
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert "no such directory" in messages(at.error)
+    at.radio(key="source").set_value("upload").run()
+    at.file_uploader(key="upload").set_value(("mine.safetensors", data, "application/octet-stream")).run()
+    assert not at.error and not at.exception
+    assert at.session_state["trace_key"][0] == "upload"
+    for page in PAGES:
+        at.switch_page(f"views/{page}.py").run()
+        assert not at.exception, (page, [e.value for e in at.exception])
+        if page != "export":
+            assert at.latex and plotly_charts(at), page
+
+
+# --- cards as data ------------------------------------------------------------------------------------------
+def test_cards_cover_the_model_and_resolve_for_the_real_config():
+    all_cards = cards.load_cards()
+    assert set(all_cards) >= {
+        "embedding",
+        "block",
+        "rmsnorm",
+        "mla",
+        "indexer",
+        "sparse_mask",
+        "mlp",
+        "router",
+        "experts",
+        "head",
+    }
+    block = all_cards["block"]
+    assert cards.shape_text(block.inputs[0].dims, REAL) == "[B batch, T positions, 7168 d]"
+    assert cards.shape_here(block.inputs[0].dims, REAL, 5) == [1, 5, 7168]
+    router = all_cards["router"]
+    assert cards.shape_text(router.outputs[0].dims, REAL) == "[N tokens (B·T), 256 experts]"
+    values = cards.facts_for(REAL, 3, 10)
+    assert values["yarn"].startswith("on:") and values["block_kind"] == "an MoE block"
+    for card in all_cards.values():
+        for spec in card.inputs + card.params + card.outputs:
+            cards.shape_text(spec.dims, REAL)
+            assert all(n > 0 for n in cards.shape_here(spec.dims, REAL, 7)), (card.id, spec.symbol)
+        assert "{{" not in "".join(cards.fill(f, values) for f in (*card.facts, card.explanation)), card.id
+
+
+def test_parameter_counts_match_the_model():
+    from model import TINY
+    from model.params import count_params
+
+    for args in (TINY, TINY.replace(n_dense_layers=0), TINY.replace(n_dense_layers=3)):
+        want = count_params(args)
+        got = shaping.param_counts(args)
+        assert got["total_params"] == want["total_params"] and got["activated_params"] == want["activated_params"]
+        assert got["components"] == want["components"]
+        assert shaping.params_by_block(args)["params"].sum() == sum(want["per_layer"])
+    assert shaping.param_counts(REAL)["total_params"] == 671_877_944_064  # README's figure, without the MTP layer
+
+
+def test_code_excerpts_are_the_current_source():
+    for card in cards.load_cards().values():
+        for anchor in card.code:
+            excerpt = cards.excerpt(anchor)
+            lines = (Path(cards.REPO) / excerpt.path).read_text().splitlines()
+            for first, chunk in excerpt.pieces:
+                for offset, line in enumerate(chunk.splitlines()):
+                    assert lines[first - 1 + offset].strip() == line.strip(), (anchor.ref, first + offset)
+
+
+def fake_trace(args: ModelArgs, n_tokens: int, seed: int = 0):
+    """A consistent random trace of any config (what the 671B gives, without running it): the router's
+    and the indexer's selections are computed from the recorded scores as the model computes them."""
+    from tracing.sites import DEFAULT_PATTERNS, select, site_shape, site_shapes
+    from tracing.trace import Trace
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = site_shapes(args)
+    tensors = {"tokens": torch.randint(0, args.vocab_size, (n_tokens,), generator=g)}
+    causal = torch.ones(n_tokens, n_tokens, dtype=torch.bool).tril()
+    for name in select(args, list(DEFAULT_PATTERNS)):
+        legend, dtype = shapes[name]
+        shape = site_shape(args, name, legend, n_tokens)
+        if dtype == torch.float32:
+            tensors[name] = torch.randn(shape, generator=g)
+    for i in range(args.n_layers):
+        scores = torch.randn(n_tokens, n_tokens, generator=g).masked_fill(~causal, float("-inf"))
+        k = min(args.index_topk, n_tokens)
+        top = scores.topk(k, dim=-1)
+        tensors[f"layers.{i}.attn.indexer.scores"] = scores
+        tensors[f"layers.{i}.attn.indexer.topk_indices"] = top.indices.masked_fill(top.values == float("-inf"), -1)
+        tensors[f"layers.{i}.attn.probs_mean"] = (
+            torch.randn(n_tokens, n_tokens, generator=g).masked_fill(~causal, float("-inf")).softmax(-1)
+        )
+        tensors[f"layers.{i}.attn.indexer.recall"] = torch.rand(n_tokens, generator=g)
+        tensors[f"layers.{i}.logit_lens.topk_indices"] = torch.randint(0, args.vocab_size, (n_tokens, 5), generator=g)
+        tensors[f"layers.{i}.logit_lens.topk_probs"] = torch.rand(n_tokens, 5, generator=g).sort(-1, descending=True).values
+        if args.is_moe(i):
+            s = torch.rand(n_tokens, args.n_routed_experts, generator=g)
+            b = torch.rand(args.n_routed_experts, generator=g) * 0.05
+            idx = torch.from_numpy(shaping.route((s + b).numpy(), args))
+            per = args.experts_per_group
+            grouped = (s + b).view(n_tokens, args.n_expert_groups, per)
+            group_scores = grouped.topk(2, -1).values.sum(-1)
+            w = s.gather(1, idx)
+            tensors[f"layers.{i}.ffn.gate.scores"] = s
+            tensors[f"layers.{i}.ffn.gate.biased_scores"] = s + b
+            tensors[f"layers.{i}.ffn.gate.group_scores"] = group_scores
+            tensors[f"layers.{i}.ffn.gate.groups"] = torch.from_numpy(shaping._top(group_scores.numpy(), args.n_limited_groups))
+            tensors[f"layers.{i}.ffn.gate.topk_indices"] = idx
+            tensors[f"layers.{i}.ffn.gate.topk_weights"] = w / w.sum(-1, keepdim=True) * args.route_scale
+    trace = Trace(tensors, args, [f"t{j}" for j in range(n_tokens)], "a trace of the real width")
+    trace.validate()
+    return trace
+
+
+def test_an_uploaded_trace_of_the_real_width_renders(app):
+    """The 671B's widths (7168 d, 256 experts in 8 groups, 128 heads), four blocks of them."""
+    trace = fake_trace(REAL.replace(n_layers=4), 40)
+    app.radio(key="source").set_value("upload").run()
+    app.file_uploader(key="upload").set_value(("real.safetensors", trace.to_bytes(), "application/octet-stream")).run()
+    assert not app.error, messages(app.error)
+    for page in PAGES:
+        app.switch_page(f"views/{page}.py").run()
+        assert not app.exception, (page, [e.value for e in app.exception])
+    app.switch_page("views/router.py").run()
+    app.selectbox(key="block").set_value(3).run()
+    assert not app.exception and "matches the trace" in " ".join(str(m.value) for m in app.get("metric"))
