@@ -142,7 +142,9 @@ class Transformer(nn.Module):
         cache = getattr(self._thread_caches, "cache", None)
         if cache is None or len(cache) != start_pos:
             held = 0 if cache is None else len(cache)
-            raise ValueError(f"start_pos {start_pos}: this thread's cache holds {held} positions; pass the Cache to continue from")
+            raise ValueError(
+                f"start_pos {start_pos}: this thread's cache holds {held} positions; pass the Cache to continue from"
+            )
         return cache
 
     def forward(
