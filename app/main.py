@@ -19,14 +19,14 @@ from app import sidebar, state  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
 # (file in app/views, title, icon); the first is the default page. A new page is a module in
-# app/views ending in `if __name__ == "__main__": page()` and one line here (an interventions page
-# goes before Export; it traces with state.trace_prompt(..., patches=..., variant=...)).
+# app/views ending in `if __name__ == "__main__": page()` and one line here.
 PAGES = (
     ("model_map.py", "Model map", ":material/account_tree:"),
     ("anatomy.py", "Block anatomy", ":material/biotech:"),
     ("residual.py", "Residual stream", ":material/stacked_line_chart:"),
     ("attention.py", "Attention & indexer", ":material/grid_on:"),
     ("router.py", "Router & experts", ":material/hub:"),
+    ("interventions.py", "Interventions", ":material/science:"),
     ("export.py", "Export", ":material/download:"),
 )
 ABOUT = (

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from model.config import ModelArgs
 
-from .shaping import MASK_NAMES, BiasEffect, Lens, ResidualGrids, Routing
+from .shaping import MASK_NAMES, BiasEffect, Drift, Lens, LensChange, ResidualGrids, Routing
 
 SEQUENTIAL = "Viridis"
 DIVERGING = "RdBu_r"
@@ -775,4 +775,183 @@ def expert_load(layers: list[int], counts: np.ndarray, weights: np.ndarray | Non
         height=_heat_height(len(rows), per=32),
         yaxis=_reversed(),
         xaxis={"title": {"text": "routed expert"}},
+    )
+
+
+# --- interventions ------------------------------------------------------------------------------------------
+BEFORE, AFTER = "#9D9D9D", COLORS["moe"]  # baseline, intervened
+
+
+def drift(d: Drift, labels: list[str]) -> go.Figure:
+    """Relative L2 distance between the baseline's and the intervened stream, per point and position."""
+    heat = {
+        "type": "heatmap",
+        "z": d.rel_l2,
+        "x": labels,
+        "y": d.rows,
+        "colorscale": SEQUENTIAL,
+        "zmin": 0,
+        "customdata": d.cosine,
+        "hovertemplate": "%{y}<br>position %{x}<br>relative L2 %{z:.4g}<br>cosine %{customdata:.5f}<extra></extra>",
+        "colorbar": {"title": {"text": "rel. L2"}},
+    }
+    return _figure(
+        [heat],
+        "How far the residual stream moved: |x_intervened − x_baseline| / |x_baseline|",
+        height=_heat_height(len(d.rows), lo=320, per=26),
+        yaxis=_reversed(),
+        xaxis=_positions(labels, "position"),
+    )
+
+
+def block_changes(frame: pd.DataFrame, n_tokens: int) -> go.Figure:
+    """Per block: positions whose experts, indexer keys or logit-lens top-1 changed (bars), and the
+    largest drift of the block's output (line, right axis)."""
+    x = [f"block {i}" for i in frame["layer"]]
+    traces: list[dict] = []
+    for column, name, color in (
+        ("experts_changed", "experts", COLORS["moe"]),
+        ("keys_changed", "indexer keys", COLORS["attention"]),
+        ("top1_changed", "logit-lens top-1", COLORS["ffn"]),
+    ):
+        if column in frame:
+            traces.append(
+                {
+                    "type": "bar",
+                    "x": x,
+                    "y": frame[column],
+                    "name": name,
+                    "marker": {"color": color},
+                    "hovertemplate": "%{x}: " + name + " changed at %{y} of " + str(n_tokens) + " positions<extra></extra>",
+                }
+            )
+    if "max_rel_l2" in frame:
+        traces.append(
+            {
+                "type": "scatter",
+                "x": x,
+                "y": frame["max_rel_l2"],
+                "yaxis": "y2",
+                "mode": "lines+markers",
+                "name": "output drift (max rel. L2)",
+                "line": {"color": COLORS["stream"]},
+                "hovertemplate": "%{x}: output moved by up to %{y:.4g} (relative L2)<extra></extra>",
+            }
+        )
+    return _figure(
+        traces,
+        "What changed, block by block: positions with other experts, keys, lens top-1",
+        height=400,
+        barmode="group",
+        xaxis={"title": {"text": "block"}},
+        yaxis={"title": {"text": "positions changed"}, "range": [0, max(n_tokens, 1)]},
+        yaxis2={
+            "title": {"text": "max relative L2"},
+            "tickformat": ".2g",
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+            "rangemode": "tozero",
+        },
+    )
+
+
+def expert_load_change(before: np.ndarray, after: np.ndarray, ablated: tuple[int, ...], block: int, per_group: int) -> go.Figure:
+    """Tokens per expert of one MoE block, baseline and intervened; ablated experts crossed out."""
+    x = np.arange(len(before))
+    traces: list[dict] = [
+        {
+            "type": "bar",
+            "x": x,
+            "y": before,
+            "name": "baseline",
+            "marker": {"color": BEFORE},
+            "hovertemplate": "expert %{x}: %{y} tokens (baseline)<extra></extra>",
+        },
+        {
+            "type": "bar",
+            "x": x,
+            "y": after,
+            "name": "intervened",
+            "marker": {"color": AFTER},
+            "hovertemplate": "expert %{x}: %{y} tokens (intervened)<extra></extra>",
+        },
+    ]
+    if ablated:
+        traces.append(
+            {
+                "type": "scatter",
+                "x": list(ablated),
+                "y": [0] * len(ablated),
+                "mode": "markers",
+                "name": "ablated",
+                "marker": {"symbol": "x", "size": 11, "color": COLORS["marker"]},
+                "hovertemplate": "expert %{x}: ablated<extra></extra>",
+            }
+        )
+    e = len(before)
+    return _figure(
+        traces,
+        f"Block {block}: tokens per expert, baseline and intervened",
+        height=380,
+        barmode="group",
+        shapes=_vlines([g * per_group - 0.5 for g in range(1, e // per_group)], color="#999", width=1, dash="dot"),
+        xaxis={"title": {"text": "routed expert (dotted lines: groups)"}},
+        yaxis={"title": {"text": "tokens routed"}},
+    )
+
+
+def lens_changes(lc: LensChange, labels: list[str]) -> go.Figure:
+    """Where the logit lens's top-1 token changed (the new token written in the cell)."""
+    rows = [f"block {i}" for i in lc.layers]
+    heat = {
+        "type": "heatmap",
+        "z": lc.changed,
+        "x": labels,
+        "y": rows,
+        "zmin": 0,
+        "zmax": 1,
+        "colorscale": [[0, "#F2F2F2"], [1, COLORS["ffn"]]],
+        "showscale": False,
+        "customdata": lc.hover,
+        "hovertemplate": "%{y} · position %{x}<br>%{customdata}<extra></extra>",
+        "xgap": 1,
+        "ygap": 1,
+    }
+    if len(labels) <= TICK_LIMIT:
+        heat.update(text=lc.text, texttemplate="%{text}", textfont={"size": 10})
+    return _figure(
+        [heat],
+        "Logit lens: where the top-1 token changed (orange; the cell names the new one, hover: before → after)",
+        height=_heat_height(len(rows), lo=260, per=40),
+        yaxis=_reversed(),
+        xaxis=_positions(labels, "position (predicting the next token)"),
+    )
+
+
+def next_token_change(df: pd.DataFrame) -> go.Figure:
+    """The top next tokens of either run, with their probability in both."""
+    y = list(df["shown"])
+    traces = [
+        {
+            "type": "bar",
+            "x": df[column],
+            "y": y,
+            "orientation": "h",
+            "name": name,
+            "marker": {"color": color},
+            "customdata": np.stack([df["token_id"], df["delta"]], -1),
+            "hovertemplate": "%{y} (id %{customdata[0]})<br>"
+            + name
+            + ": p = %{x:.4f}<br>change %{customdata[1]:+.4f}<extra></extra>",
+        }
+        for column, name, color in (("prob_a", "baseline", BEFORE), ("prob_b", "intervened", AFTER))
+    ]
+    return _figure(
+        traces,
+        "Next token after the last position, baseline and intervened",
+        height=130 + 30 * len(df),
+        barmode="group",
+        yaxis={**_reversed(), "type": "category"},
+        xaxis={"title": {"text": "probability"}},
     )

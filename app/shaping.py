@@ -478,3 +478,114 @@ def load_grid(frame: pd.DataFrame | None) -> tuple[list[int], np.ndarray, np.nda
         else None
     )
     return layers, counts, weights
+
+
+# --- interventions: a baseline and an intervened trace of one prompt ---------------------------------------
+def expert_tokens(trace: Trace, block: int) -> np.ndarray | None:
+    """Tokens routed to each expert of a MoE block [E]."""
+    idx = get(trace, f"layers.{block}.ffn.gate.topk_indices")
+    if idx is None:
+        return None
+    return np.bincount(idx[idx >= 0].ravel(), minlength=trace.config.n_routed_experts)
+
+
+def busiest_experts(trace: Trace, block: int, n: int = 5) -> list[tuple[int, int]]:
+    """The ``n`` experts of a block that received the most tokens, busiest first: (expert, tokens)."""
+    counts = expert_tokens(trace, block)
+    if counts is None:
+        return []
+    order = np.argsort(-counts, kind="stable")[:n]
+    return [(int(e), int(counts[e])) for e in order if counts[e] > 0]
+
+
+_DRIFT_SITES = {"resid_pre": "in", "resid_mid": "after attention", "resid_post": "out"}
+
+
+@dataclass
+class Drift:
+    rows: list[str]  # "x₀ (embedding)", "block 0 · after attention", "block 0 · out", ...
+    rel_l2: np.ndarray  # [R, T] |x_b - x_a| / |x_a|
+    cosine: np.ndarray  # [R, T] cos(x_a, x_b)
+
+
+def drift(stream: pd.DataFrame | None, n_tokens: int) -> Drift | None:
+    """From diff_tables()['stream']: the streams' relative L2 distance and cosine as (point in the
+    network) × position grids, in the order the stream flows. A block's input is shown only where the
+    previous block's output (the same values) is not."""
+    if stream is None or stream.empty:
+        return None
+    have = set(zip(stream["layer"], stream["site"], strict=True))
+    rows, rel, cos = [], [], []
+    for (layer, site), part in stream.groupby(["layer", "site"], sort=False):
+        if site == "resid_pre" and (layer - 1, "resid_post") in have:
+            continue
+        part = part.sort_values("position")
+        if len(part) != n_tokens:
+            continue
+        rows.append("x₀ (embedding)" if (layer, site) == (0, "resid_pre") else f"block {layer} · {_DRIFT_SITES[site]}")
+        rel.append(part["rel_l2"].to_numpy())
+        cos.append(part["cosine"].to_numpy())
+    if not rows:
+        return None
+    return Drift(rows, np.vstack(rel), np.vstack(cos))
+
+
+def changes_per_block(tables: dict[str, pd.DataFrame], n_layers: int) -> pd.DataFrame:
+    """Per block: the largest and mean relative L2 drift of its output over positions, and at how many
+    positions its experts, its indexer keys and its logit-lens top-1 changed (NaN where the trace has
+    none, as for the dense blocks' experts)."""
+    out = pd.DataFrame({"layer": np.arange(n_layers)}).set_index("layer")
+    stream = tables.get("stream")
+    if stream is not None:
+        post = stream[stream["site"] == "resid_post"].groupby("layer")["rel_l2"]
+        out["max_rel_l2"], out["mean_rel_l2"] = post.max(), post.mean()
+    for name, column in (("experts", "experts_changed"), ("indexer_keys", "keys_changed"), ("predictions", "top1_changed")):
+        frame = tables.get(name)
+        if frame is not None:
+            out[column] = frame.groupby("layer")["changed"].sum()
+    return out.reset_index()
+
+
+@dataclass
+class LensChange:
+    layers: list[int]
+    changed: np.ndarray  # [L, T] 1.0 where the top-1 token changed, else 0.0
+    text: np.ndarray  # [L, T] the intervened top-1 where it changed, else ""
+    hover: np.ndarray  # [L, T] "before p → after p"
+
+
+def lens_changes(predictions: pd.DataFrame | None, n_tokens: int) -> LensChange | None:
+    """From diff_tables()['predictions']: where the logit lens's top-1 token changed, and to what."""
+    if predictions is None or predictions.empty:
+        return None
+    layers = sorted(predictions["layer"].unique().tolist())
+    frame = predictions.sort_values(["layer", "position"])
+    if len(frame) != len(layers) * n_tokens:
+        return None
+    shape = (len(layers), n_tokens)
+    changed = frame["changed"].to_numpy().reshape(shape)
+    before = [show_token(str(t)) for t in frame["top1_a"]]
+    after = [show_token(str(t)) for t in frame["top1_b"]]
+    if "prob_a" in frame and "prob_b" in frame:
+        pa, pb = frame["prob_a"].to_numpy(), frame["prob_b"].to_numpy()
+        hover = [f"{a} {p:.3f} → {b} {q:.3f}" for a, p, b, q in zip(before, pa, after, pb, strict=True)]
+    else:
+        hover = [f"{a} → {b}" for a, b in zip(before, after, strict=True)]
+    short = np.asarray([show_token(str(t), limit=10) for t in frame["top1_b"]], dtype=object).reshape(shape)
+    return LensChange(
+        layers,
+        changed.astype(np.float64),
+        np.where(changed, short, ""),
+        np.asarray(hover, dtype=object).reshape(shape),
+    )
+
+
+def next_token_change(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """diff_tables()['next_token'] with the tokens shown for hovers and axes."""
+    if frame is None or frame.empty:
+        return None
+    frame = frame.copy()
+    shown = [show_token(str(t)) for t in frame["token"]]
+    repeated = {t for t in shown if shown.count(t) > 1}  # one bar per token id, even where two read alike
+    frame["shown"] = [f"{t} (id {i})" if t in repeated else t for t, i in zip(shown, frame["token_id"], strict=True)]
+    return frame

@@ -144,7 +144,11 @@ def _ensure_current(om: state.OpenModel | None, notices) -> None:
     key = st.session_state.get("trace_key")
     if key is None or state.store().get(key) is not None:
         return
-    if key[0] == "model" and len(key) == 4:  # a plain trace (one with patches is its page's to make)
+    if key[0] == "model" and len(key) > 4:  # one with patches or interventions is its page's to make:
+        key = st.session_state["trace_key"] = key[:4]  # show its baseline instead
+        if state.store().get(key) is not None:
+            return
+    if key[0] == "model":  # a plain trace
         try:
             model = om if om is not None and str(om.path) == key[1] and om.dtype == key[2] else state.open_model(key[1], key[2])
             state.trace_prompt(model, key[3])

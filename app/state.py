@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import streamlit as st
 from model.checkpoint import INDEX, CheckpointError, SafetensorsSource
 from model.config import ConfigError, ModelArgs
 from tracing.errors import InputError
+from tracing.interventions import Intervention
 from tracing.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
 from tracing.runner import check_token_ids, trace_tokens
 from tracing.sites import site_shapes
@@ -315,15 +316,24 @@ def trace_prompt(
     on_block: Callable[[int], None] | None = None,
     patches: dict | None = None,
     variant: Hashable = None,
+    interventions: Sequence[Intervention] = (),
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
     ``patches`` (site name -> tensor, as ``tracing.runner.trace_tokens`` takes them) change the run;
     ``variant`` names them in the store's key (a run with patches needs one), e.g. a digest of the
-    intervention, so a baseline and its intervened twin are cached side by side.
+    intervention, so a baseline and its intervened twin are cached side by side. ``interventions``
+    (tracing.interventions: ablations, no correction bias, another index_topk) are named in the key
+    by :func:`describe_interventions` on their own. InputError says what is wrong with either.
     """
     if patches and variant is None:
         raise ValueError("a patched trace needs a variant to tell it from the baseline in the store")
+    interventions = tuple(interventions)
+    named = [str(variant)] if variant is not None else []  # for people: the entry's origin
+    if interventions:
+        described = describe_interventions(interventions)
+        variant = described if variant is None else (variant, described)
+        named.append("; ".join(described))
     key = model_key(om, prompt, variant)
     entry = store().get(key)
     if entry is not None:
@@ -337,13 +347,19 @@ def trace_prompt(
         prompt=prompt,
         record=record_patterns(om.args, len(ids)),
         patches=patches,
+        interventions=interventions,
         on_block=on_block,
         extra={"checkpoint": om.loaded.label},
         max_tokens=len(ids),
         token_strings=tokenizer.token_strings if tokenizer is not None else None,
     )
-    origin = f"{om.label} · {om.dtype}" + ("" if variant is None else f" · {variant}")
+    origin = " · ".join([om.label, om.dtype, *named])
     return store().put(Entry(key, trace, origin, time.perf_counter() - started))
+
+
+def describe_interventions(interventions: Sequence[Intervention]) -> tuple[str, ...]:
+    """What each intervention does, as the trace's metadata says it: the store's key tells runs apart by these."""
+    return tuple(intervention.describe() for intervention in interventions)
 
 
 def session_model() -> OpenModel | None:

@@ -105,7 +105,9 @@ class NoGateBias(Intervention):
         return out
 
     def describe(self) -> str:
-        return "no correction bias"
+        if self.layers is None:
+            return "no correction bias"
+        return "no correction bias in blocks " + ",".join(map(str, sorted(self.layers)))
 
 
 @dataclass(frozen=True)

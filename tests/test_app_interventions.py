@@ -1,0 +1,234 @@
+"""The interventions page, run headless with AppTest on the bundled demo (or the tiny dev checkpoint
+while assets/demo is absent): it renders, an ablation runs and shows the diff summary and plots, the
+ablated expert is never chosen in the intervened trace, and bad input gives st.error, not a crash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from app import state
+from app.devcheckpoint import demo_or_dev_checkpoint
+from tracing.interventions import AblateExperts, IndexTopK, NoGateBias
+
+APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
+PAGE = "views/interventions.py"
+TIMEOUT = 120  # the first run loads the model and traces the default prompt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
+
+
+@pytest.fixture()
+def app(checkpoint, monkeypatch) -> AppTest:
+    monkeypatch.setenv(state.ENV_CHECKPOINT, checkpoint)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.switch_page(PAGE).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def messages(elements) -> str:
+    return " ".join(str(e.value) for e in elements).replace("\\", "")
+
+
+def metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.get("metric")}
+
+
+def chart_titles(at: AppTest) -> list[str]:
+    import json
+
+    out = []
+    for chart in at.get("plotly_chart"):
+        spec = json.loads(chart.proto.spec)
+        out.append(spec.get("layout", {}).get("title", {}).get("text", ""))
+    return out
+
+
+def run(at: AppTest) -> AppTest:
+    at.button(key="iv_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def baseline_entry(at: AppTest) -> state.Entry:
+    entry = state.store().get(at.session_state["trace_key"][:4])
+    assert entry is not None
+    return entry
+
+
+def intervened_entry(at: AppTest) -> state.Entry:
+    from app.views.interventions import build
+
+    result = at.session_state["iv_result"]
+    key = (*baseline_entry(at).key, state.describe_interventions(build(result["spec"])))
+    entry = state.store().get(key)
+    assert entry is not None
+    return entry
+
+
+def test_page_renders_with_controls_and_no_result_yet(app):
+    assert not app.error, messages(app.error)
+    assert any("Interventions" in str(h.value) for h in app.header)
+    cfg = baseline_entry(app).trace.config
+    assert app.selectbox(key="iv_block").value >= cfg.n_dense_layers  # a MoE block
+    assert "Busiest in block" in messages(app.caption)
+    assert not app.get("metric")  # nothing run yet
+    run(app)  # nothing chosen: a warning, no crash
+    assert "Nothing to change" in messages(app.warning)
+    assert "iv_result" not in app.session_state
+
+
+def test_ablating_the_busiest_expert(app):
+    base = baseline_entry(app)
+    cfg = base.trace.config
+    block = app.selectbox(key="iv_block").value
+    chosen = base.trace[f"layers.{block}.ffn.gate.topk_indices"]
+    busiest = int(torch.bincount(chosen.flatten(), minlength=cfg.n_routed_experts).argmax())
+    app.multiselect(key=f"iv_experts_{block}").set_value([busiest]).run()
+    run(app)
+    assert not app.error, messages(app.error)
+    shown = metrics(app)
+    assert shown["First block that changed"] == f"block {block}"
+    assert shown["Expert choices changed"].split(" of ")[0] != "0"
+    assert "Next-token KL" in shown and "Top next token" in shown
+    titles = chart_titles(app)
+    assert any("residual stream moved" in t for t in titles), titles
+    assert any("block by block" in t for t in titles), titles
+    assert any("tokens per expert" in t for t in titles), titles
+    assert any("Logit lens" in t for t in titles), titles
+    assert len(app.get("plotly_chart")) >= 6
+    # the intervened trace never routes to the ablated expert; blocks before it are untouched
+    iv = intervened_entry(app).trace
+    assert busiest not in iv[f"layers.{block}.ffn.gate.topk_indices"].flatten().tolist()
+    assert iv.extra["interventions"] == [f"ablate {block}:{busiest}"]
+    assert torch.equal(iv[f"layers.{block}.resid_mid"], base.trace[f"layers.{block}.resid_mid"])
+    # the diff tables, each with its CSV
+    labels = [b.label for b in app.get("download_button")]
+    assert labels.count("CSV") >= 4 and "All diff tables (CSV, zip)" in labels
+    assert app.dataframe
+    # the intervened trace in the other pages, then back
+    app.button(key="iv_show").click().run()
+    assert app.session_state["trace_key"] == intervened_entry(app).key
+    for page in ("views/router.py", "views/residual.py", "views/attention.py"):
+        app.switch_page(page).run()
+        assert not app.exception, (page, [e.value for e in app.exception])
+    app.switch_page(PAGE).run()
+    assert not app.exception and metrics(app)["First block that changed"] == f"block {block}"
+    app.button(key="iv_show_base").click().run()
+    assert app.session_state["trace_key"] == base.key
+
+
+def test_router_and_attention_toggles(app):
+    app.toggle(key="iv_no_bias").set_value(True).run()
+    app.radio(key="iv_attention").set_value("dense").run()
+    run(app)
+    assert not app.error, messages(app.error)
+    iv = intervened_entry(app).trace
+    assert iv.extra["interventions"] == [NoGateBias().describe(), IndexTopK.dense().describe()]
+    assert iv.config.index_topk == iv.config.max_seq_len and "First block that changed" in metrics(app)
+    # the bias removed in the last block only: a new run, cached beside the first
+    base = baseline_entry(app).trace
+    last = base.config.n_layers - 1
+    app.multiselect(key="iv_no_bias_blocks").set_value([last]).run()
+    app.radio(key="iv_attention").set_value("model").run()
+    run(app)
+    iv = intervened_entry(app)
+    assert iv.origin.endswith(f"no correction bias in blocks {last}")
+    name = f"layers.{last}.ffn.gate.topk_indices"
+    moved = not torch.equal(iv.trace[name].sort(-1).values, base[name].sort(-1).values)
+    assert metrics(app)["First block that changed"] == (f"block {last}" if moved else "none")
+    # another index_topk: fewer keys than the prompt has, so block 0's attention changes
+    app.toggle(key="iv_no_bias").set_value(False).run()
+    assert app.multiselect(key="iv_no_bias_blocks").disabled
+    app.radio(key="iv_attention").set_value("topk").run()
+    app.number_input(key="iv_topk").set_value(2).run()
+    run(app)
+    assert intervened_entry(app).trace.extra["interventions"] == ["index_topk=2"]
+    assert intervened_entry(app).trace.config.index_topk == 2
+    assert metrics(app)["First block that changed"] == "block 0"
+
+
+def test_bad_ablations_give_an_error_and_the_page_stays_usable(app):
+    cfg = baseline_entry(app).trace.config
+    block = app.selectbox(key="iv_block").value
+    too_many = list(range(cfg.n_routed_experts - cfg.n_activated_experts + 1))  # fewer than k would remain
+    app.multiselect(key=f"iv_experts_{block}").set_value(too_many).run()
+    run(app)
+    assert "Not run" in messages(app.error) and "fewer than k" in messages(app.error)
+    assert "iv_result" not in app.session_state
+    app.multiselect(key=f"iv_experts_{block}").set_value([]).run()
+    for text, message in (("1-3", "expected LAYER:EXPERT"), (f"0:{cfg.n_routed_experts}", "")):
+        app.text_input(key="iv_ablate_text").set_value(text).run()
+        run(app)
+        assert "Not run" in messages(app.error) and message in messages(app.error), text
+    app.text_input(key="iv_ablate_text").set_value(f"{block}:1").run()
+    run(app)
+    assert not app.error and metrics(app)
+    assert 1 not in intervened_entry(app).trace[f"layers.{block}.ffn.gate.topk_indices"].flatten().tolist()
+
+
+def test_clear_resets_the_choices(app):
+    block = app.selectbox(key="iv_block").value
+    app.multiselect(key=f"iv_experts_{block}").set_value([0, 1]).run()
+    app.radio(key="iv_attention").set_value("dense").run()
+    app.button(key="iv_clear").click().run()
+    assert not app.exception
+    assert app.multiselect(key=f"iv_experts_{block}").value == []
+    assert app.radio(key="iv_attention").value == "model"
+
+
+def test_an_uploaded_trace_says_interventions_need_a_model(app):
+    data = baseline_entry(app).trace_bytes()
+    app.radio(key="source").set_value("upload").run()
+    app.file_uploader(key="upload").set_value(("mine.safetensors", data, "application/octet-stream")).run()
+    assert not app.exception and not app.error
+    assert "a trace file holds no model" in messages(app.info)
+    assert not app.get("metric")
+
+
+def test_the_store_keys_tell_interventions_apart():
+    runs = [
+        [AblateExperts({1: (3,)})],
+        [AblateExperts({1: (4,)})],
+        [NoGateBias()],
+        [NoGateBias((1,))],
+        [IndexTopK.dense()],
+        [IndexTopK(4)],
+        [AblateExperts({1: (3,)}), IndexTopK(4)],
+    ]
+    keys = {state.describe_interventions(r) for r in runs}
+    assert len(keys) == len(runs)
+
+
+def test_an_evicted_intervened_trace_is_made_again(app):
+    """The store may drop the intervened trace (other sessions filled it): the other pages fall back to
+    its baseline and this page runs the intervention again from the session's small spec."""
+    block = app.selectbox(key="iv_block").value
+    app.multiselect(key=f"iv_experts_{block}").set_value([0]).run()
+    run(app)
+    key = intervened_entry(app).key
+    app.button(key="iv_show").click().run()
+    assert app.session_state["trace_key"] == key
+    store = state.store()
+    with store._lock:
+        del store._entries[key]
+    app.switch_page("views/router.py").run()
+    assert not app.exception and app.session_state["trace_key"] == key[:4]
+    app.switch_page(PAGE).run()
+    assert not app.exception and not app.error and metrics(app)
+    assert store.get(key) is not None
