@@ -29,3 +29,20 @@ def tiny_checkpoint(tmp_path_factory, tiny_model):
 @pytest.fixture()
 def tokens() -> torch.Tensor:
     return torch.randint(0, TINY.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def app_checkpoint(tmp_path_factory) -> str:
+    """The bundled demo, or a tiny checkpoint with a tokenizer while assets/demo is absent."""
+    from app.devcheckpoint import demo_or_dev_checkpoint
+
+    return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
+
+
+@pytest.fixture(scope="module")
+def keep_torch_threads():
+    """The app runs a small model on one CPU thread (app.state._set_threads); give the rest of the
+    test session its threads back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -13,7 +13,6 @@ from safetensors.torch import save as save_tensors
 from streamlit.testing.v1 import AppTest
 
 from app import cards, shaping, state
-from app.devcheckpoint import demo_or_dev_checkpoint
 from model.config import ModelArgs
 from tracing.tables import to_csv_bytes
 
@@ -23,23 +22,9 @@ REAL = ModelArgs.from_file(Path(__file__).resolve().parents[1] / "assets" / "con
 TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def keep_torch_threads():
-    """The app runs a small model on one CPU thread (app.state._set_threads); give the rest of the
-    test session its threads back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
-
-
 @pytest.fixture()
-def app(checkpoint, monkeypatch) -> AppTest:
-    monkeypatch.setenv(state.ENV_CHECKPOINT, checkpoint)
+def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+    monkeypatch.setenv(state.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception, [e.value for e in at.exception]
     return at

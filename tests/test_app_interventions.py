@@ -11,7 +11,6 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from app import state
-from app.devcheckpoint import demo_or_dev_checkpoint
 from tracing.interventions import AblateExperts, IndexTopK, NoGateBias
 
 APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
@@ -19,21 +18,9 @@ PAGE = "views/interventions.py"
 TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def keep_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
-
-
 @pytest.fixture()
-def app(checkpoint, monkeypatch) -> AppTest:
-    monkeypatch.setenv(state.ENV_CHECKPOINT, checkpoint)
+def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+    monkeypatch.setenv(state.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception, [e.value for e in at.exception]
     at.switch_page(PAGE).run()

@@ -84,13 +84,3 @@ def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
     if "logits.last" in values:
         ids.update(values["logits.last"].topk(min(top, values["logits.last"].numel())).indices.tolist())
     return sorted(ids)
-
-
-def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
-    ids: set[int] = set()
-    for name, value in values.items():
-        if name.endswith("logit_lens.topk_indices"):
-            ids.update(value.flatten().tolist())
-    if "logits.last" in values:
-        ids.update(values["logits.last"].topk(min(top, values["logits.last"].numel())).indices.tolist())
-    return sorted(ids)
