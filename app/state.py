@@ -47,6 +47,7 @@ DEFAULT_PROMPT = (
 )
 # recorded besides tracing.sites.DEFAULT_PATTERNS: the cards' plots use them when present
 EXTRA_SITES = (
+    "layers.*.logit_lens.*",
     "layers.*.attn.indexer.head_weights",
     "layers.*.ffn.routed_out",
     "layers.*.ffn.shared_out",

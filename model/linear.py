@@ -14,8 +14,9 @@ class Linear(nn.Module):
     128x128 block, edge blocks partial) and the input is quantised per 128 values first, as the
     reference's ``fp8_gemm`` does.
 
-    On the CPU the dequantised float32 weight is kept after first use (FP8 to float conversion is
-    slow there); ``cache_dequantized = False`` turns that off.
+    On the CPU the weight is kept in float32 after first use and products are formed in float32
+    (FP8 to float conversion is slow there, and CPUs without bf16 units multiply bfloat16 ~5-100x
+    slower), rounded once to the activation dtype; ``cache_dequantized = False`` turns the copy off.
     """
 
     def __init__(
@@ -40,16 +41,24 @@ class Linear(nn.Module):
         self._dequantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
-            return F.linear(x, self.weight.to(x.dtype))
-        return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight())
+        if self.scale is not None:
+            return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight())
+        cached = self._cached_weight()
+        if cached is not None:
+            return F.linear(x.float(), cached).to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype))
 
     def _cached_weight(self) -> torch.Tensor | None:
-        if not self.cache_dequantized or self.weight.device.type != "cpu":
+        """The float32 weight on the CPU (None on GPUs, or while the weight is being trained)."""
+        weight = self.weight
+        if not self.cache_dequantized or weight.device.type != "cpu" or weight.requires_grad:
             return None
+        if weight.dtype == torch.float32:
+            return weight.detach()
         cached = self._dequantized
-        if cached is None or cached[0] is not self.weight or cached[1] is not self.scale:
-            cached = (self.weight, self.scale, fp8.weight_dequant(self.weight, self.scale))
+        if cached is None or cached[0] is not weight or cached[1] is not self.scale:
+            value = weight.detach().float() if self.scale is None else fp8.weight_dequant(weight, self.scale)
+            cached = (weight, self.scale, value)
             self._dequantized = cached
         return cached[2]
 

@@ -102,13 +102,31 @@ class MoE(nn.Module):
         shape = x.size()
         x = x.view(-1, self.dim)  # (N, D)
         weights, indices = self.gate(x)
-        y = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
-        for i, expert in enumerate(self.experts):
-            if counts[i] == 0 or expert is None:
-                continue
-            idx, top = torch.where(indices == i)
-            y.index_add_(0, idx, expert(x[idx]) * weights[idx, top, None])
-        y = self.routed_out(y)
+        y = self.routed_out(self.route(x, weights, indices))
         y = y + self.shared_out(self.shared_experts(x))
         return y.type_as(x).view(shape)
+
+    def route(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """sum_e weight_e * expert_e(x) per token, in float32, the experts added in ascending order
+        as the reference's loop adds them. Token-expert pairs are sorted by expert once, so each
+        expert runs on one contiguous slice (the rows and their order the loop would give it)."""
+        n, k = indices.shape
+        flat = indices.flatten()  # (N * k,)
+        order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within
+        counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()
+        rows = x[order // k]  # (N * k, D)
+        scale = weights.flatten()[order, None]
+        out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
+        start = 0
+        for i, count in enumerate(counts):
+            if count and self.experts[i] is not None:  # None: held by another rank
+                out[start : start + count] = self.experts[i](rows[start : start + count]) * scale[start : start + count]
+            start += count
+        contrib = torch.empty_like(out)
+        contrib[order] = out
+        contrib = contrib.view(n, k, self.dim)  # (N, k, D) in each token's top-k order
+        by_expert = indices.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for j in range(k):
+            y += contrib.gather(1, by_expert[:, j, None, None].expand(n, 1, self.dim)).squeeze(1)
+        return y

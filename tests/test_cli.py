@@ -67,6 +67,8 @@ def test_run_prompt_writes_trace_and_csv(capsys, checkpoint_with_tokenizer, tmp_
         str(tmp_path / "csv"),
         "--dtype",
         "float32",
+        "--record",
+        "default,layers.*.logit_lens.*",
     )
     assert code == 0, err
     trace = Trace.load(out)

@@ -13,19 +13,20 @@ from tracing.diff import diff_tables, summary
 from tracing.errors import InputError
 from tracing.interventions import AblateExperts, IndexTopK, NoGateBias
 from tracing.runner import trace_tokens
+from tracing.sites import LOGIT_LENS
 
 IDS = [7, 3, 99, 41, 250, 18, 6, 77, 301, 12, 5, 64, 200, 9]  # T=14 > index_topk=8
 
 
 @pytest.fixture(scope="module")
 def base(tiny_model):
-    return trace_tokens(tiny_model, IDS)
+    return trace_tokens(tiny_model, IDS, record=["default", LOGIT_LENS])
 
 
 def test_forcing_the_chosen_selections_changes_nothing(tiny_model, base):
     forced = {f"layers.{i}.attn.indexer.topk_indices": base[f"layers.{i}.attn.indexer.topk_indices"] for i in range(3)}
     forced |= {f"layers.{i}.ffn.gate.topk_indices": base[f"layers.{i}.ffn.gate.topk_indices"] for i in (1, 2)}
-    again = trace_tokens(tiny_model, IDS, patches=forced)
+    again = trace_tokens(tiny_model, IDS, patches=forced, record=["default", LOGIT_LENS])
     assert all(torch.equal(again[n], v) for n, v in base.tensors.items())
 
 

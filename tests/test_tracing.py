@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from model import TINY
 from tracing.runner import trace_tokens
-from tracing.sites import DEFAULT_PATTERNS, estimate_bytes, select, site_shape, site_shapes
+from tracing.sites import LOGIT_LENS, estimate_bytes, select, site_shape, site_shapes
 from tracing.tables import csv_safe, export, tables, to_csv_bytes
 from tracing.trace import Trace, TraceError
 from tracing.tracer import Tracer
@@ -19,9 +19,12 @@ from tracing.tracer import Tracer
 IDS = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3, 19, 400, 11, 76, 5, 17]  # T=18 > index_topk=8
 
 
+RECORD = ["default", LOGIT_LENS]
+
+
 @pytest.fixture(scope="module")
 def trace(tiny_model):
-    return trace_tokens(tiny_model, IDS, prompt="p")
+    return trace_tokens(tiny_model, IDS, prompt="p", record=RECORD)
 
 
 def test_contract_tensors_present_with_their_shapes(trace):
@@ -51,7 +54,7 @@ def test_trace_logits_are_the_models(tiny_model, trace):
 
 
 def test_same_prompt_gives_a_bit_identical_trace_file(tiny_model, trace):
-    again = trace_tokens(tiny_model, IDS, prompt="p")
+    again = trace_tokens(tiny_model, IDS, prompt="p", record=RECORD)
     assert again.to_bytes() == trace.to_bytes()
 
 
@@ -82,7 +85,7 @@ def test_indexer_selection_recomputed_from_recorded_scores(trace):
 
 
 def test_size_estimate_is_exact(trace):
-    names = select(TINY, DEFAULT_PATTERNS)
+    names = select(TINY, RECORD)
     actual = sum(t.numel() * t.element_size() for t in trace.tensors.values())
     assert estimate_bytes(TINY, names, len(IDS)) == actual
 
@@ -136,7 +139,7 @@ def test_patching_a_site_with_its_recorded_value_reproduces_the_trace(tiny_model
         name: trace[name]
         for name in ("layers.1.resid_mid", "layers.2.ffn.gate.topk_indices", "layers.1.attn.indexer.topk_indices")
     }
-    patched = trace_tokens(tiny_model, IDS, prompt="p", patches=patches)
+    patched = trace_tokens(tiny_model, IDS, prompt="p", patches=patches, record=RECORD)
     for name, value in trace.tensors.items():
         assert torch.equal(patched[name], value), name
     assert patched.extra["patched"] == sorted(patches)

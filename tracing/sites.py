@@ -32,10 +32,10 @@ DEFAULT_PATTERNS = (
     "layers.*.ffn.gate.groups",
     "layers.*.ffn.gate.topk_indices",
     "layers.*.ffn.gate.topk_weights",
-    "layers.*.logit_lens.topk_indices",
-    "layers.*.logit_lens.topk_probs",
     "logits.last",
 )
+# the logit lens costs a head product per block (more than the forward of a small model): on request
+LOGIT_LENS = "layers.*.logit_lens.*"
 
 # derived sites: name suffix -> (shape legend, dtype, what it is)
 DERIVED = {
