@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from model import TINY
+# idle OpenMP threads sleep rather than spin (as the CLI and app set it): on a busy machine spinning
+# threads slow a small model's forward by orders of magnitude. Before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from model import TINY  # noqa: E402
 from model.checkpoint import hf_state_dict, load_model, save_checkpoint
 from model.synthetic import SyntheticSource
 
