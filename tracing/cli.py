@@ -179,6 +179,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _leave_process_group() -> None:
+    """Under torchrun: wait for every rank (rank 0 may still be writing), then close the group, so
+    no communication thread outlives the interpreter (that aborts the process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tracing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,3 +260,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _leave_process_group()
