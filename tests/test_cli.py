@@ -223,3 +223,20 @@ def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_pat
     assert set(a.tensors) == set(b.tensors)
     for name in a.tensors:
         assert torch.equal(a[name], b[name]), name  # default sites: bitwise the one-process values
+
+
+def test_eval_prints_one_json_line(capsys, checkpoint_with_tokenizer, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 4, encoding="utf-8")
+    code, out, err = run(capsys, "eval", "--checkpoint", str(checkpoint_with_tokenizer), "--text-file", str(text))
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert {"tokens", "mean_nll", "perplexity", "top1_accuracy", "bits_per_byte"} <= set(result)
+    assert result["tokens"] > 0 and result["perplexity"] == pytest.approx(__import__("math").exp(result["mean_nll"]))
+    (tmp_path / "empty.txt").write_text("")
+    code, _, err = run(capsys, "eval", "--checkpoint", str(checkpoint_with_tokenizer), "--text-file", str(tmp_path / "empty.txt"))
+    assert code == 2 and "empty" in err
+    code, _, err = run(capsys, "eval", "--checkpoint", str(checkpoint_with_tokenizer), "--text-file", str(tmp_path / "none.txt"))
+    assert code == 2 and "cannot read" in err

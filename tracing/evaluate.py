@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .errors import InputError
+
 DEFAULT_MAX_CONTEXT = 2048  # longest default window (the 671B config allows 163840 positions)
 LOGITS_BUDGET = 2**27  # float32 logits per forward pass (512 MB)
 
@@ -53,13 +55,13 @@ def evaluate(
     bytes, context and stride.
     """
     if not text:
-        raise ValueError("evaluate: the text is empty")
+        raise InputError("evaluate: the text is empty")
     max_len = int(model.args.max_seq_len)
     context = context or min(max_len, DEFAULT_MAX_CONTEXT)
     if context > max_len:
-        raise ValueError(f"evaluate: context {context} exceeds the model's max_seq_len {max_len}")
+        raise InputError(f"evaluate: context {context} exceeds the model's max_seq_len {max_len}")
     if context < 2:
-        raise ValueError("evaluate: context must be at least 2")
+        raise InputError("evaluate: context must be at least 2")
     bos = tokenizer.bos_id
     ids = tokenizer.encode(text, add_bos=False)
     n_bytes = len(text.encode("utf-8"))
@@ -69,11 +71,11 @@ def evaluate(
     else:
         targets = ids
     if not targets:
-        raise ValueError("evaluate: the text is too short to score")
+        raise InputError("evaluate: the text is too short to score")
     # a window of `context` inputs predicts `context` targets (the last input predicts the next token)
     stride = stride or max(context // 2, 1)
     if not 0 < stride <= context:
-        raise ValueError(f"evaluate: stride must be between 1 and the context ({context})")
+        raise InputError(f"evaluate: stride must be between 1 and the context ({context})")
 
     device = next(model.parameters()).device
     if batch_size is None:
