@@ -14,6 +14,7 @@ when that is exact too (ue8m0 scales): the same products, summed in another orde
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -107,17 +108,43 @@ def fp8_gemm(
     scale_fmt: str | None,
     out_dtype: torch.dtype,
     dequantized: torch.Tensor | None = None,
+    quantized: bool = False,
 ) -> torch.Tensor:
-    """y = act_quant(x) @ weight.T with block scales; ``dequantized`` is a cached float weight."""
-    q, s = act_quant(x, scale_fmt)
+    """y = act_quant(x) @ weight.T with block scales; ``dequantized`` is a cached float weight.
+
+    ``quantized``: x is already act_quant's result, dequantised to float32 (:func:`act_round`), as
+    when many products share one input: the rounding is per row, so rounding the rows once and
+    selecting them gives what rounding the selection would.
+    """
+    a = x if quantized else act_dequant(*act_quant(x, scale_fmt))  # float32 values on the FP8 grid
     if x.is_cuda and scale_fmt and _exact_in_bf16(scale):
         # both operands exact in bfloat16: cuBLAS multiplies exactly and accumulates in float32
-        a = act_dequant(q, s).to(torch.bfloat16)
         w = dequantized if dequantized is not None else weight_dequant(weight, scale, torch.bfloat16)
-        return torch.matmul(a, w.to(torch.bfloat16).t()).to(out_dtype)
-    a = act_dequant(q, s)
+        return torch.matmul(a.to(torch.bfloat16), w.to(torch.bfloat16).t()).to(out_dtype)
     w = dequantized if dequantized is not None else weight_dequant(weight, scale)
-    return torch.matmul(a, w.float().t()).to(out_dtype)
+    return torch.matmul(a.float(), w.float().t()).to(out_dtype)
+
+
+def act_round(x: torch.Tensor, scale_fmt: str | None = None) -> torch.Tensor:
+    """x rounded through act_quant, as float32 values (the input an FP8 product actually sees)."""
+    return act_dequant(*act_quant(x, scale_fmt))
+
+
+@dataclass(frozen=True)
+class Rounded:
+    """An activation already rounded through act_quant (float32 values on the FP8 grid) and the
+    dtype it had, which FP8 products of it return. Rows round independently, so a batch rounded
+    once can be split among many products (the experts of a MoE block) with the same results."""
+
+    values: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor, scale_fmt: str | None) -> Rounded:
+        return cls(act_round(x, scale_fmt), x.dtype)
+
+    def __getitem__(self, index) -> Rounded:
+        return Rounded(self.values[index], self.dtype)
 
 
 def fp8_gemm_blockwise(

@@ -40,7 +40,9 @@ class Linear(nn.Module):
             self.register_parameter("scale", None)
         self._dequantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
+        if isinstance(x, fp8.Rounded):  # FP8 weights, input rounded once for several products
+            return fp8.fp8_gemm(x.values, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight(), quantized=True)
         if self.scale is not None:
             return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight())
         cached = self._cached_weight()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8
 from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
@@ -25,7 +26,12 @@ class MLP(nn.Module):
         self.w3 = Linear(dim, inter_dim, linear_dtype, scale_fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2((F.silu(self.w1(x).float()) * self.w3(x).float()).type_as(x))
+        return self.w2(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
+        """silu(w1 x) * w3 x, formed in float32, in the activation dtype."""
+        gate, up = self.w1(x), self.w3(x)
+        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 class Expert(MLP):
@@ -95,6 +101,8 @@ class MoE(nn.Module):
             [Expert(args.dim, args.moe_inter_dim, linear, args.scale_fmt) for _ in range(args.n_routed_experts)]
         )
         self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, linear, args.scale_fmt)
+        self.fp8 = linear == torch.float8_e4m3fn
+        self.scale_fmt = args.scale_fmt
         self.routed_out = HookPoint("N D")  # sum of the weighted routed experts, float32
         self.shared_out = HookPoint("N D")  # the shared expert's output
 
@@ -114,14 +122,16 @@ class MoE(nn.Module):
         flat = indices.flatten()  # (N * k,)
         order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within
         counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        # (expert, its slice of the sorted pairs); an expert held by another rank is None
+        spans = [(e, end - c, end) for e, c, end in zip(self.experts, counts, ends, strict=True) if c and e is not None]
         rows = x[order // k]  # (N * k, D)
+        if self.fp8:  # FP8 products round their input per row: round the batch once, not per product
+            rows = fp8.Rounded.of(rows, self.scale_fmt)
         scale = weights.flatten()[order, None]
         out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
-        start = 0
-        for i, count in enumerate(counts):
-            if count and self.experts[i] is not None:  # None: held by another rank
-                out[start : start + count] = self.experts[i](rows[start : start + count]) * scale[start : start + count]
-            start += count
+        for expert, a, b in spans:
+            out[a:b] = expert(rows[a:b]) * scale[a:b]
         contrib = torch.empty_like(out)
         contrib[order] = out
         contrib = contrib.view(n, k, self.dim)  # (N, k, D) in each token's top-k order
