@@ -42,8 +42,12 @@ ENV_DEVICE = "ANATOMY_DEVICE"  # cpu | cuda (default: cuda when available)
 ENV_THREADS = "ANATOMY_THREADS"  # torch CPU threads (default: 1 for small models, torch's default otherwise)
 SMALL_MODEL_BYTES = 512 * 2**20  # below this, one CPU thread is fastest: the products are tiny
 MAX_TOKENS = 512
+# longer than the demo's index_topk, so the sparse attention visibly prunes (90 tokens on the demo)
 DEFAULT_PROMPT = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. "
+    "However little known the feelings or views of such a man may be on his first entering a neighbourhood, this truth is "
+    "so well fixed in the minds of the surrounding families, that he is considered the rightful property of some one or "
+    "other of their daughters."
 )
 # recorded besides tracing.sites.DEFAULT_PATTERNS: the cards' plots use them when present
 EXTRA_SITES = (
