@@ -82,13 +82,29 @@ class TensorReader:
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()  # one staging buffer
 
-    def read(self, name: str, device: torch.device | str, part: Part | None = None) -> torch.Tensor:
+    def direct(self, device: torch.device, part: Part | None = None) -> bool:
+        """Whether :meth:`read` reads straight into host memory a caller may provide (``into``)."""
+        staged = self._staging if self._staging is not None else device.type != "cpu"
+        return self._direct and not staged and (part is None or part.dim == 0)
+
+    def nbytes(self, name: str, part: Part | None = None) -> int:
+        spec = self.specs[name]
+        n = spec.dtype.itemsize
+        for i, size in enumerate(spec.shape):
+            n *= part.stop - part.start if (part is not None and i == 0) else size
+        return n
+
+    def read(
+        self, name: str, device: torch.device | str, part: Part | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The tensor (or this rank's part of it) on ``device``. ``into``: a uint8 host buffer of
+        :meth:`nbytes` to read into when :meth:`direct` (memory reused from a freed weight)."""
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.source.where(name)}: tensor {name} is missing from the checkpoint")
         device = torch.device(device)
         if self._direct and (part is None or part.dim == 0):
-            tensor = self._pread(name, spec, part, device)
+            tensor = self._pread(name, spec, part, device, into)
         elif part is None:
             tensor = self.source.load(name, "cpu" if self._direct else device)
         elif hasattr(self.source, "load_slice"):
@@ -101,7 +117,9 @@ class TensorReader:
             self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
-    def _pread(self, name: str, spec: TensorSpec, part: Part | None, device: torch.device) -> torch.Tensor:
+    def _pread(
+        self, name: str, spec: TensorSpec, part: Part | None, device: torch.device, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         fd, start, header = self._shard(self.source.weight_map[name])
         entry = header.get(name)
         if entry is None:
@@ -118,7 +136,7 @@ class TensorReader:
         nbytes, offset = row_bytes * (shape[0] if shape else 1), start + begin
         staged = self._staging if self._staging is not None else device.type != "cpu"
         if not staged:
-            raw = torch.empty(nbytes, dtype=torch.uint8)
+            raw = into if into is not None else torch.empty(nbytes, dtype=torch.uint8)
             self._fill(fd, memoryview(raw.numpy()), offset, name)
         else:
             raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -206,6 +224,7 @@ class _Unit:
     params: list[_Param]
     block: int | None = None  # the block a unit belongs to
     nbytes: int = 0
+    arena: torch.Tensor | None = None  # host memory its weights were read into, reused when freed
 
 
 @dataclass
@@ -275,6 +294,12 @@ ProgressFn = Callable[[StreamEvent], None]
 # -------------------------------------------------------------------------------------------------
 # the streamer
 
+_SPARE_ARENAS = 4  # freed host buffers kept for the next reads (a block, its read-ahead, experts)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64  # tensors in a shared buffer start on 64-byte boundaries
+
 
 class _Ready:
     """A load done on demand by the thread that asks (no read-ahead)."""
@@ -329,6 +354,7 @@ class Streamer:
         self._pending: dict[str, Any] = {}
         self._queued: dict[int, deque[int]] = {}
         self._resident: dict[str, int] = {}
+        self._arenas: list[torch.Tensor] = []  # spare host buffers, smallest first
         self._loaded_unassigned = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -391,6 +417,7 @@ class Streamer:
         self._pending.clear()
         for unit in [*self._chain, *self._experts.values()]:
             self._free(unit)
+        self._arenas.clear()
         for m, flag in self._cache_flags:
             m.cache_dequantized = flag
         self._cache_flags.clear()
@@ -438,8 +465,19 @@ class Streamer:
     def _load(self, unit: _Unit) -> list[torch.Tensor]:
         t = time.perf_counter()
         tensors, nbytes = [], 0
-        for p in unit.params:
-            tensor = self._reader.read(to_hf(p.name), self.device, self.parts.get(p.name))
+        reader = self._reader
+        # host reads go into memory recycled from freed weights: fresh pages would be faulted in
+        # (zeroed by the kernel) on every read, which halves the read speed on the CPU
+        sizes = [
+            reader.nbytes(to_hf(p.name), self.parts.get(p.name)) if reader.direct(self.device, self.parts.get(p.name)) else 0
+            for p in unit.params
+        ]
+        offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
+        if sum(sizes):
+            unit.arena = self._arena(sum(_aligned(n) for n in sizes))
+        for p, size, offset in zip(unit.params, sizes, offsets, strict=True):
+            into = unit.arena[offset : offset + size] if size else None
+            tensor = reader.read(to_hf(p.name), self.device, self.parts.get(p.name), into)
             if tensor.dtype != p.meta.dtype:
                 tensor = tensor.to(p.meta.dtype)
             tensors.append(tensor)
@@ -489,6 +527,19 @@ class Streamer:
             p.owner._parameters[p.leaf] = p.meta
         with self._lock:
             self._resident.pop(unit.name, None)
+            if unit.arena is not None:
+                self._arenas.append(unit.arena)
+                unit.arena = None
+                self._arenas.sort(key=len)
+                del self._arenas[:-_SPARE_ARENAS]  # keep the largest few spare
+
+    def _arena(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least ``nbytes``: the smallest spare one that fits, else a new one."""
+        with self._lock:
+            for i, buffer in enumerate(self._arenas):
+                if len(buffer) >= nbytes:
+                    return self._arenas.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _ahead(self, unit: _Unit) -> None:
         if unit.name not in self._pending and unit.name not in self._resident:
