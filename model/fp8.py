@@ -22,7 +22,8 @@ BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # The kernel multiplies by 1/448 rounded to float32; dividing by 448 can differ in the last bit.
-_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+# (a Python float holding the float32 value: a float32 tensor times a Python scalar multiplies in float32)
+_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 def act_scale(amax: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
     """Per-block scale from the block's absolute maximum (float32)."""
-    scale = amax.float().clamp(min=1e-4) * _FP8_MAX_INV.to(amax.device)
+    scale = amax.float().clamp(min=1e-4) * _FP8_MAX_INV
     return _pow2_ceil(scale) if scale_fmt else scale
 
 
@@ -184,11 +185,11 @@ def fp8_index(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: 
 
 
 @functools.lru_cache(maxsize=8)
-def _hadamard(n: int) -> torch.Tensor:
+def _hadamard(n: int, device: str) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+    return h.to(device)  # a constant per device: no host-to-device copy per call
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -197,5 +198,5 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     As fast_hadamard_transform computes it: in float32, result in x's dtype.
     """
     n = x.shape[-1]
-    h = _hadamard(n).to(x.device)
+    h = _hadamard(n, str(x.device))
     return (torch.matmul(x.float(), h) * n**-0.5).to(x.dtype)
