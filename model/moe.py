@@ -125,18 +125,18 @@ class MoE(nn.Module):
         ends = torch.tensor(counts).cumsum(0).tolist()
         # (expert, its slice of the sorted pairs); an expert held by another rank is None
         spans = [(e, end - c, end) for e, c, end in zip(self.experts, counts, ends, strict=True) if c and e is not None]
-        rows = x[order // k]  # (N * k, D)
+        tokens = order // k
+        rows = x[tokens]  # (N * k, D), grouped by expert
         if self.fp8:  # FP8 products round their input per row: round the batch once, not per product
             rows = fp8.Rounded.of(rows, self.scale_fmt)
         scale = weights.flatten()[order, None]
         out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
         for expert, a, b in spans:
             out[a:b] = expert(rows[a:b]) * scale[a:b]
-        contrib = torch.empty_like(out)
-        contrib[order] = out
-        contrib = contrib.view(n, k, self.dim)  # (N, k, D) in each token's top-k order
-        by_expert = indices.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
+        # regroup by token, each token's experts in ascending order, and add in that order
+        by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
+        contrib = out[by_token].view(n, k, self.dim)  # (N, k, D)
         y = torch.zeros_like(x, dtype=torch.float32)
         for j in range(k):
-            y += contrib.gather(1, by_expert[:, j, None, None].expand(n, 1, self.dim)).squeeze(1)
+            y += contrib[:, j]
         return y
