@@ -238,13 +238,10 @@ class ModelArgs:
             raise ConfigError(f"{path}: {exc}") from None
 
     def to_reference(self) -> dict[str, Any]:
-        """The reference's JSON form (the one its ``generate.py`` reads)."""
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("extra", "gate_bias", "n_mtp_layers", "bos_token_id", "eos_token_id")
-        }
-        return out
+        """The reference's JSON form: exactly the fields of its ``ModelArgs`` (``ModelArgs(**this)``
+        works there). It has no ``norm_eps``: its RMSNorms hard-code 1e-6."""
+        skip = ("extra", "gate_bias", "n_mtp_layers", "bos_token_id", "eos_token_id", "norm_eps")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     def to_hf(self) -> dict[str, Any]:
         """A Hugging Face ``config.json`` (model_type ``deepseek_v32``) for this model."""

@@ -6,9 +6,10 @@ The reference's tilelang kernels (``act_quant``, ``fp8_gemm``, ``fp8_index``) ar
 plain PyTorch functions with the same rounding: activation scales are ``amax / 448`` (amax clamped
 below at 1e-4), or the next power of two when ``scale_fmt`` is ``ue8m0``; values are divided by their
 block's scale, clamped to +-448 and rounded to e4m3. A block-scaled product multiplies each 128-wide
-partial dot product by both scales, accumulating in float32. Here the two operands are dequantised
-first (exact for power-of-two scales) and multiplied in float32 on the CPU, or in bfloat16 on CUDA
-when that is exact too (ue8m0 scales): the same products, summed in another order.
+partial dot product by both scales, accumulating in float32. When every scale is a power of two
+(``ue8m0`` activations and power-of-two weight scales) the operands are dequantised first, which is
+exact, and multiplied in float32 on the CPU or in bfloat16 on CUDA: the same products, summed in
+another order. Otherwise the blocks are scaled and summed in the kernel's order.
 """
 
 from __future__ import annotations
@@ -97,76 +98,80 @@ def weight_quant(weight: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple
     return q, scale
 
 
-def _exact_in_bf16(scale: torch.Tensor | None) -> bool:
-    # fp8 * 2**e has at most 4 significant bits: exact in bfloat16 unless the exponent overflows.
-    return scale is None or bool(torch.all(_pow2_ceil(scale.float()) == scale))
-
-
-def fp8_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    scale_fmt: str | None,
-    out_dtype: torch.dtype,
-    dequantized: torch.Tensor | None = None,
-    quantized: bool = False,
-) -> torch.Tensor:
-    """y = act_quant(x) @ weight.T with block scales; ``dequantized`` is a cached float weight.
-
-    ``quantized``: x is already act_quant's result, dequantised to float32 (:func:`act_round`), as
-    when many products share one input: the rounding is per row, so rounding the rows once and
-    selecting them gives what rounding the selection would.
-    """
-    a = x if quantized else act_dequant(*act_quant(x, scale_fmt))  # float32 values on the FP8 grid
-    if x.is_cuda and scale_fmt and _exact_in_bf16(scale):
-        # both operands exact in bfloat16: cuBLAS multiplies exactly and accumulates in float32
-        w = dequantized if dequantized is not None else weight_dequant(weight, scale, torch.bfloat16)
-        return torch.matmul(a.to(torch.bfloat16), w.to(torch.bfloat16).t()).to(out_dtype)
-    w = dequantized if dequantized is not None else weight_dequant(weight, scale)
-    return torch.matmul(a.float(), w.float().t()).to(out_dtype)
-
-
-def act_round(x: torch.Tensor, scale_fmt: str | None = None) -> torch.Tensor:
-    """x rounded through act_quant, as float32 values (the input an FP8 product actually sees)."""
-    return act_dequant(*act_quant(x, scale_fmt))
+def is_pow2(scale: torch.Tensor) -> bool:
+    """Every scale a power of two: FP8 codes times them are exact in float32 and in bfloat16
+    (4 significant bits), so dequantising before the product rounds nothing."""
+    return bool(torch.all(_pow2_ceil(scale.float()) == scale))
 
 
 @dataclass(frozen=True)
 class Rounded:
-    """An activation already rounded through act_quant (float32 values on the FP8 grid) and the
+    """An activation rounded through act_quant (FP8 codes and float32 scales per 128 values) and the
     dtype it had, which FP8 products of it return. Rows round independently, so a batch rounded
     once can be split among many products (the experts of a MoE block) with the same results."""
 
-    values: torch.Tensor
+    codes: torch.Tensor  # (..., K) float8_e4m3fn
+    scale: torch.Tensor  # (..., K/128) float32
     dtype: torch.dtype
 
     @classmethod
     def of(cls, x: torch.Tensor, scale_fmt: str | None) -> Rounded:
-        return cls(act_round(x, scale_fmt), x.dtype)
+        return cls(*act_quant(x, scale_fmt), x.dtype)
+
+    def values(self) -> torch.Tensor:
+        return act_dequant(self.codes, self.scale)
 
     def __getitem__(self, index) -> Rounded:
-        return Rounded(self.values[index], self.dtype)
+        return Rounded(self.codes[index], self.scale[index], self.dtype)
 
 
-def fp8_gemm_blockwise(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_fmt: str | None, out_dtype: torch.dtype
+def fp8_gemm(
+    x: torch.Tensor | Rounded,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scale_fmt: str | None,
+    fast: bool | None = None,
+    cpu_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reference kernel's order: per 128-block partial products, scaled, summed in float32.
+    """act_quant(x) times the block-scaled FP8 ``weight``, transposed, in x's dtype: the reference's
+    ``fp8_gemm``.
 
-    Slow; kept as the definition the fast path is tested against.
+    ``fast``: whether dequantising first is exact (``ue8m0`` activations and power-of-two weight
+    scales); worked out from ``scale`` when not given. ``cpu_weight``: a float32 copy of what the
+    chosen path multiplies (the dequantised weight when fast, the FP8 codes otherwise), kept by the
+    caller because FP8 to float conversion is slow on CPUs.
     """
-    q, s = act_quant(x, scale_fmt)
-    *lead, k = x.shape
-    n = weight.shape[0]
-    a = q.float().reshape(-1, k // BLOCK, BLOCK)  # (M, K/128, 128)
-    w = weight.float().reshape(n, k // BLOCK, BLOCK)  # (N, K/128, 128)
-    partial = torch.einsum("mkb,nkb->kmn", a, w)  # (K/128, M, N)
-    w_scale = scale.float().repeat_interleave(BLOCK, 0)[:n].t()  # (K/128, N)
-    a_scale = s.reshape(-1, k // BLOCK).t()  # (K/128, M)
-    out = torch.zeros(a.shape[0], n, dtype=torch.float32)
+    r = x if isinstance(x, Rounded) else Rounded.of(x, scale_fmt)
+    if fast is None:
+        fast = bool(scale_fmt) and is_pow2(scale)
+    *lead, k = r.codes.shape
+    if not fast:
+        w = cpu_weight if cpu_weight is not None else weight.float()
+        y = _blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), w, scale)
+        return y.to(r.dtype).reshape(*lead, -1)
+    a = r.values()  # float32 values on the FP8 grid
+    if a.is_cuda:  # both operands exact in bfloat16: cuBLAS multiplies exactly and accumulates in float32
+        return torch.matmul(a.to(torch.bfloat16), weight_dequant(weight, scale, torch.bfloat16).t()).to(r.dtype)
+    w = cpu_weight if cpu_weight is not None else weight_dequant(weight, scale)
+    return torch.matmul(a, w.t()).to(r.dtype)
+
+
+def _blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's order: each 128-wide block's float32 partial product times (activation scale x
+    weight scale), added to the float32 sum block by block.
+
+    codes (M, K) fp8, a_scale (M, K/128), w_codes (N, K) float32 or fp8, w_scale (N/128, K/128).
+    """
+    m, k = codes.shape
+    n = w_codes.shape[0]
+    a = codes.float()
+    b_scale = w_scale.repeat_interleave(BLOCK, 0)[:n]  # (N, K/128): each row's block scale
+    out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
     for kb in range(k // BLOCK):
-        out += partial[kb] * (a_scale[kb][:, None] * w_scale[kb][None, :])
-    return out.to(out_dtype).reshape(*lead, n)
+        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        partial = a[:, cols] @ w_codes[:, cols].float().t()  # (M, N)
+        out += partial * (a_scale[:, kb, None] * b_scale[None, :, kb])
+    return out
 
 
 def fp8_index(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, chunk: int = 256) -> torch.Tensor:

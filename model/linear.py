@@ -16,7 +16,8 @@ class Linear(nn.Module):
 
     On the CPU the weight is kept in float32 after first use and products are formed in float32
     (FP8 to float conversion is slow there, and CPUs without bf16 units multiply bfloat16 ~5-100x
-    slower), rounded once to the activation dtype; ``cache_dequantized = False`` turns the copy off.
+    slower), rounded once to the activation dtype; ``cache_dequantized = False`` turns the copy off
+    (the streamer does, so freed weights are not held).
     """
 
     def __init__(
@@ -38,38 +39,42 @@ class Linear(nn.Module):
             )
         else:
             self.register_parameter("scale", None)
-        self._dequantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._cached: tuple | None = None  # (weight, scale, fast, float32 copy): see _prepared
 
     def forward(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
-        if isinstance(x, fp8.Rounded):  # FP8 weights, input rounded once for several products
-            return fp8.fp8_gemm(x.values, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight(), quantized=True)
-        if self.scale is not None:
-            return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, x.dtype, self._cached_weight())
-        cached = self._cached_weight()
-        if cached is not None:
-            return F.linear(x.float(), cached).to(x.dtype)
+        fast, copy = self._prepared()
+        if self.scale is not None:  # FP8: x may be rounded already (fp8.Rounded, shared by several products)
+            return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, fast, copy)
+        if copy is not None:
+            return F.linear(x.float(), copy).to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype))
 
-    def _cached_weight(self) -> torch.Tensor | None:
-        """The float32 weight on the CPU (None on GPUs, or while the weight is being trained)."""
-        weight = self.weight
+    def _prepared(self) -> tuple[bool | None, torch.Tensor | None]:
+        """Whether the FP8 product may dequantise first (fp8.fp8_gemm's ``fast``; None: let it
+        decide), and a float32 copy of what the product multiplies: the dequantised weight when
+        fast, the FP8 codes otherwise, the weight itself for 16/32-bit weights. Made once per weight
+        tensor, on the CPU only and not while the weight is trained or streamed."""
+        weight, scale = self.weight, self.scale
         if not self.cache_dequantized or weight.device.type != "cpu" or weight.requires_grad:
-            return None
+            return None, None
         if weight.dtype == torch.float32:
-            return weight.detach()
-        cached = self._dequantized
-        if cached is None or cached[0] is not weight or cached[1] is not self.scale:
-            value = weight.detach().float() if self.scale is None else fp8.weight_dequant(weight, self.scale)
-            cached = (weight, self.scale, value)
-            self._dequantized = cached
-        return cached[2]
+            return None, weight.detach()
+        cached = self._cached
+        if cached is None or cached[0] is not weight or cached[1] is not scale:
+            fast = scale is not None and bool(self.scale_fmt) and fp8.is_pow2(scale)
+            if scale is None:
+                copy = weight.detach().float()
+            else:
+                copy = fp8.weight_dequant(weight, scale) if fast else weight.detach().float()
+            cached = self._cached = (weight, scale, fast, copy)
+        return cached[2], cached[3]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""
         if self.scale is None:
             return self.weight.to(dtype)
-        cached = self._cached_weight()
-        return cached.to(dtype) if cached is not None else fp8.weight_dequant(self.weight, self.scale, dtype)
+        fast, copy = self._prepared()
+        return copy.to(dtype) if fast else fp8.weight_dequant(self.weight, self.scale, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"

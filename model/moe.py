@@ -126,9 +126,8 @@ class MoE(nn.Module):
         # (expert, its slice of the sorted pairs); an expert held by another rank is None
         spans = [(e, end - c, end) for e, c, end in zip(self.experts, counts, ends, strict=True) if c and e is not None]
         tokens = order // k
-        rows = x[tokens]  # (N * k, D), grouped by expert
-        if self.fp8:  # FP8 products round their input per row: round the batch once, not per product
-            rows = fp8.Rounded.of(rows, self.scale_fmt)
+        # FP8 products round their input per row: round each token once, not once per product
+        rows = (fp8.Rounded.of(x, self.scale_fmt) if self.fp8 else x)[tokens]  # (N * k, D), grouped by expert
         scale = weights.flatten()[order, None]
         out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
         for expert, a, b in spans:

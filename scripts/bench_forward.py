@@ -254,7 +254,7 @@ def no_kv_fp8():
 def _weight32(linear: Linear) -> torch.Tensor:
     """The float32 weight a product uses: the dequantised FP8 cache, or a cached float32 copy."""
     if linear.scale is not None:
-        return linear._cached_weight()
+        return linear.dequantized(torch.float32)  # the cached copy (power-of-two scales)
     cached = linear.__dict__.get("_proto_w32")
     if cached is None or cached[0] is not linear.weight:
         cached = (linear.weight, linear.weight.float())

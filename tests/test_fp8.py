@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from model import fp8
+from model.linear import Linear
 
 
 def test_act_quant_error_within_e4m3_bounds():
@@ -41,14 +42,47 @@ def test_weight_blocks_are_128_with_partial_edges():
         fp8.weight_dequant(q, s[:4])  # 576 / 128 would be wrong
 
 
-def test_fast_gemm_matches_the_blockwise_kernel_order():
+def kernel_order_gemm(x, w, s, fmt):
+    """The tilelang fp8_gemm's arithmetic: per 128-block float32 partial products of the FP8 codes,
+    each times (activation scale * weight scale), summed block by block in float32."""
+    q, qs = fp8.act_quant(x, fmt)
+    n, k = w.shape
+    partial = torch.einsum("mkb,nkb->kmn", q.float().reshape(-1, k // 128, 128), w.float().reshape(n, k // 128, 128))
+    w_scale = s.repeat_interleave(128, 0)[:n].t()  # (K/128, N)
+    out = torch.zeros(q.shape[0], n)
+    for kb in range(k // 128):
+        out += partial[kb] * (qs[:, kb, None] * w_scale[kb][None, :])
+    return out
+
+
+@pytest.mark.parametrize("fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("pow2_weight_scales", [True, False])
+def test_gemm_equals_the_kernel_order(fmt, pow2_weight_scales):
+    """Bit for bit where it matters: with power-of-two scales everywhere the dequantise-first path
+    is exact; otherwise (amax / 448 activation or weight scales) the blocks are summed as the kernel
+    sums them, since rounding code x scale first moves outputs by an ulp and can flip a selection."""
     torch.manual_seed(0)
-    x = torch.randn(5, 384, dtype=torch.bfloat16)
-    w, s = fp8.weight_quant(torch.randn(200, 384) * 0.05)
-    for fmt in (None, "ue8m0"):
-        fast = fp8.fp8_gemm(x, w, s, fmt, torch.float32)
-        slow = fp8.fp8_gemm_blockwise(x, w, s, fmt, torch.float32)
-        assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5)
+    x = torch.randn(7, 384, dtype=torch.bfloat16)
+    w, s = fp8.weight_quant(torch.randn(200, 384) * 0.05, "ue8m0" if pow2_weight_scales else None)
+    assert fp8.is_pow2(s) == pow2_weight_scales
+    got = fp8.fp8_gemm(x, w, s, fmt)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, kernel_order_gemm(x, w, s, fmt).to(torch.bfloat16))
+    lin = Linear(384, 200, fp8.FP8, scale_fmt=fmt)
+    lin.weight.data, lin.scale.data = w, s
+    for _ in range(2):  # the float32 copy made on first use multiplies the same way
+        assert torch.equal(lin(x), got)
+    rounded = fp8.Rounded.of(x, fmt)
+    assert torch.equal(lin(rounded[2:5]), got[2:5])  # rows rounded once, products on a selection
+
+
+def test_dequantise_first_is_not_the_kernel_order_for_other_scales():
+    """Why the slow path exists: float32 products of dequantised operands differ from the kernel's."""
+    torch.manual_seed(1)
+    x = torch.randn(64, 1024)
+    w, s = fp8.weight_quant(torch.randn(256, 1024) * 0.05, None)
+    first = fp8.act_dequant(*fp8.act_quant(x, None)) @ fp8.weight_dequant(w, s).t()
+    assert not torch.equal(first, kernel_order_gemm(x, w, s, None))
 
 
 def test_fp8_index_is_relu_weighted_sum_over_heads():

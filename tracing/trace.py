@@ -67,7 +67,9 @@ class Trace:
         return {
             "format": FORMAT,
             "version": VERSION,
-            "config": json.dumps({**self.config.to_reference(), "gate_bias": self.config.has_gate_bias}),
+            "config": json.dumps(
+                {**self.config.to_reference(), "gate_bias": self.config.has_gate_bias, "norm_eps": self.config.norm_eps}
+            ),
             "tokens": json.dumps(self.tokens, ensure_ascii=False),
             "prompt": self.prompt,
             "extra": json.dumps(self.extra),
