@@ -61,13 +61,21 @@ class Linear(nn.Module):
             return None, weight.detach()
         cached = self._cached
         if cached is None or cached[0] is not weight or cached[1] is not scale:
-            fast = scale is not None and bool(self.scale_fmt) and fp8.is_pow2(scale)
+            fast = None if scale is None else bool(self.scale_fmt) and fp8.is_pow2(scale)
             if scale is None:
                 copy = weight.detach().float()
             else:
-                copy = fp8.weight_dequant(weight, scale) if fast else weight.detach().float()
+                copy = fp8.weight_dequant(weight, scale) if fast else fp8.to_float(weight.detach())
             cached = self._cached = (weight, scale, fast, copy)
         return cached[2], cached[3]
+
+    def share_copy(self, copy: torch.Tensor) -> None:
+        """Hold ``copy`` (equal to this Linear's own float32 copy, e.g. a view into the stack of a
+        MoE block's experts) in place of the copy; nothing is copied."""
+        cached = self._cached
+        if cached is None or cached[3] is None or not torch.equal(cached[3], copy):
+            raise ValueError("share_copy: not this Linear's float32 copy")
+        self._cached = (*cached[:3], copy)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""

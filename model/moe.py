@@ -15,6 +15,8 @@ from .hooks import HookPoint
 from .linear import Linear
 from .ops import topk
 
+_grouped_mm = getattr(torch, "_grouped_mm", None)  # one product over row groups (torch >= 2.8)
+
 
 class MLP(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x), the product formed in float32."""
@@ -129,9 +131,13 @@ class MoE(nn.Module):
         # FP8 products round their input per row: round each token once, not once per product
         rows = (fp8.Rounded.of(x, self.scale_fmt) if self.fp8 else x)[tokens]  # (N * k, D), grouped by expert
         scale = weights.flatten()[order, None]
-        out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
-        for expert, a, b in spans:
-            out[a:b] = expert(rows[a:b]) * scale[a:b]
+        stacks = self._stacked_weights() if len(spans) > 1 else None
+        if stacks is not None:  # every expert's product at once: the same per-slice products
+            out = self._grouped(rows, stacks, torch.tensor(ends, dtype=torch.int32), x.dtype) * scale
+        else:
+            out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
+            for expert, a, b in spans:
+                out[a:b] = expert(rows[a:b]) * scale[a:b]
         # regroup by token, each token's experts in ascending order, and add in that order
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
         contrib = out[by_token].view(n, k, self.dim)  # (N, k, D)
@@ -139,3 +145,39 @@ class MoE(nn.Module):
         for j in range(k):
             y += contrib[:, j]
         return y
+
+    def _grouped(self, rows: torch.Tensor | fp8.Rounded, stacks: tuple, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert.forward for all experts in three grouped products (rows sorted by expert, ``ends``
+        the cumulative row counts), rounding as each expert's own products would."""
+        w1, w3, w2 = stacks  # (E, inter, D), (E, inter, D), (E, D, inter) float32
+        a = rows.values() if isinstance(rows, fp8.Rounded) else rows.float()  # (N k, D)
+        gate = _grouped_mm(a, w1.transpose(1, 2), offs=ends).to(dtype)  # (N k, inter)
+        up = _grouped_mm(a, w3.transpose(1, 2), offs=ends).to(dtype)
+        hidden = (F.silu(gate.float()) * up.float()).to(dtype)
+        h = fp8.Rounded.of(hidden, self.scale_fmt).values() if isinstance(rows, fp8.Rounded) else hidden.float()
+        return _grouped_mm(h, w2.transpose(1, 2), offs=ends).to(dtype)  # (N k, D)
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The experts' float32 weight copies as three (E, out, in) stacks, which the experts' own
+        Linears then share (views, no second copy). None where products run one expert at a time:
+        no grouped product in this torch, experts held elsewhere (expert parallelism), no copies (GPU,
+        streaming, training), or FP8 scales that need the kernel's block order."""
+        if _grouped_mm is None or any(e is None for e in self.experts):
+            return None
+        cached = self.__dict__.get("_stacks")
+        linears = [[e.w1 for e in self.experts], [e.w3 for e in self.experts], [e.w2 for e in self.experts]]
+        plans = [[lin._prepared() for lin in group] for group in linears]
+        if any(copy is None or fast is False for group in plans for fast, copy in group):
+            return None
+        if cached is not None and all(
+            copy.data_ptr() == stack[j].data_ptr()
+            for group, stack in zip(plans, cached, strict=True)
+            for j, (_, copy) in enumerate(group)
+        ):
+            return cached
+        stacks = tuple(torch.stack([copy for _, copy in group]) for group in plans)
+        for group, stack in zip(linears, stacks, strict=True):
+            for j, lin in enumerate(group):
+                lin.share_copy(stack[j])
+        self.__dict__["_stacks"] = stacks
+        return stacks

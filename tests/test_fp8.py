@@ -106,3 +106,12 @@ def test_hadamard_is_orthonormal_in_sylvester_order():
     assert torch.allclose(h[1], torch.tensor([1.0, -1, 1, -1, 1, -1, 1, -1]))
     y = torch.randn(3, 128)
     assert torch.allclose(fp8.hadamard(fp8.hadamard(y)), y, atol=1e-5)
+
+
+def test_fp8_to_float_is_torchs_conversion_for_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8.FP8).reshape(4, 64)
+    for t in (codes, codes[:, ::3]):  # contiguous and strided
+        got, want = fp8.to_float(t), t.float()
+        assert got.shape == want.shape and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert int(torch.isnan(fp8.to_float(codes)).sum()) == 2  # 0x7f and 0xff

@@ -230,12 +230,19 @@ def test_decode_without_passing_a_cache_continues_this_threads_prefill(tiny_fp32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype):
-    """The sorted dispatch (inputs rounded to FP8 once per block) equals the reference's loop:
-    for each expert in ascending order, y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
+@pytest.mark.parametrize("weights_form", ["fp8", "bf16", "fp8 amax/448 scales"])
+def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form):
+    """The sorted dispatch (inputs rounded to FP8 once per block, all experts in grouped products
+    where the products allow) equals the reference's loop: for each expert in ascending order,
+    y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
     import torch.nn.functional as F
 
-    moe = load_model(tiny_source, dtype=dtype).layers[1].ffn
+    source = {
+        "fp8": tiny_source,
+        "bf16": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
+        "fp8 amax/448 scales": SyntheticSource(TINY.replace(scale_fmt=None), seed=1),
+    }[weights_form]
+    moe = load_model(source, dtype=dtype).layers[1].ffn
     x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.inference_mode():
         weights, indices = moe.gate(x)
@@ -247,3 +254,8 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype):
                 h = (F.silu(e.w1(x[rows]).float()) * e.w3(x[rows]).float()).type_as(x)
                 loop.index_add_(0, rows, e.w2(h) * weights[rows, slot, None])
     assert torch.equal(routed, loop)
+    # grouped products wherever dequantising first is exact (one CPU copy of each weight, shared)
+    stacks = moe._stacked_weights()
+    assert (stacks is None) == (weights_form == "fp8 amax/448 scales")
+    if stacks is not None:
+        assert moe.experts[3].w2._prepared()[1].data_ptr() == stacks[2][3].data_ptr()
