@@ -16,6 +16,12 @@ from model.checkpoint import hf_state_dict, load_model, save_checkpoint
 from model.synthetic import SyntheticSource
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws the same random numbers, whatever ran before it."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_source() -> SyntheticSource:
     return SyntheticSource(TINY, seed=1)

@@ -6,12 +6,13 @@ from model.linear import Linear
 
 
 def test_act_quant_error_within_e4m3_bounds():
+    torch.manual_seed(213)  # a seed where a subnormal rounds by nearly half a step
     x = torch.randn(64, 512) * torch.logspace(-3, 2, 512)
     q, s = fp8.act_quant(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4)
     back = fp8.act_dequant(q, s)
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normals, absolute <= 2^-10 * scale below
-    bound = torch.maximum(x.abs() * 2**-4, fp8.expand_scale(s, x.shape) * 2**-9)
+    bound = torch.maximum(x.abs() * 2**-4, s.repeat_interleave(128, dim=-1) * 2**-10)  # each row's own scales
     assert torch.all((back - x).abs() <= bound)
 
 
