@@ -161,13 +161,16 @@ class MoE(nn.Module):
         """The experts' float32 weight copies as three (E, out, in) stacks, which the experts' own
         Linears then share (views, no second copy). None where products run one expert at a time:
         no grouped product in this torch, experts held elsewhere (expert parallelism), no copies (GPU,
-        streaming, training), or FP8 scales that need the kernel's block order."""
+        streaming, training), float32 weights (stacking would copy them), or FP8 scales that need
+        the kernel's block order."""
         if _grouped_mm is None or any(e is None for e in self.experts):
             return None
         cached = self.__dict__.get("_stacks")
         linears = [[e.w1 for e in self.experts], [e.w3 for e in self.experts], [e.w2 for e in self.experts]]
         plans = [[lin._prepared() for lin in group] for group in linears]
         if any(copy is None or fast is False for group in plans for fast, copy in group):
+            return None
+        if linears[0][0].weight.dtype == torch.float32:  # the copies are the weights: a stack would be a second
             return None
         if cached is not None and all(
             copy.data_ptr() == stack[j].data_ptr()

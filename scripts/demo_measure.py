@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from model.checkpoint import load_model  # noqa: E402
+from model.config import ModelArgs  # noqa: E402
 from model.params import count_params  # noqa: E402
 from tracing.evaluate import evaluate  # noqa: E402
 from tracing.tokenizer import Tokenizer  # noqa: E402
@@ -83,9 +84,10 @@ def recall_and_load(model, tokenizer: Tokenizer, texts: dict[str, str], seq_len:
     recall_sum = torch.zeros(args.n_layers, dtype=torch.float64)
     oracle_sum = torch.zeros(args.n_layers, dtype=torch.float64)  # the best any k keys could cover
     recall2k_sum = torch.zeros(args.n_layers, dtype=torch.float64)  # the indexer's top-2k, for comparison
+    recall_all_sum = torch.zeros(args.n_layers, dtype=torch.float64)  # over every query, pruned or not
     lens_nll = torch.zeros(args.n_layers, dtype=torch.float64)
     lens_hits = torch.zeros(args.n_layers, dtype=torch.float64)
-    n_queries = n_targets = 0
+    n_queries = n_targets = n_all_queries = 0
     moe_layers = range(args.n_dense_layers, args.n_layers)
     loads = {(name, i): torch.zeros(args.n_routed_experts, dtype=torch.float64) for name in texts for i in moe_layers}
     norm_w, head_w = model.norm, model.head.weight.float()
@@ -103,6 +105,12 @@ def recall_and_load(model, tokenizer: Tokenizer, texts: dict[str, str], seq_len:
                 sel = torch.zeros_like(dense[..., 0, :], dtype=torch.bool).scatter_(-1, top, True)
                 covered = (dense * sel[:, :, None, :]).sum(-1).mean(-1)  # (B, T-k): averaged over heads
                 recall_sum[i] += covered.double().sum()
+                # every query of the window: one that sees at most k keys selects them all (its -1
+                # slots name no key; key 0 is among its selected keys anyway)
+                dense_all = (store[f"scores.{i}"].float() + causal[:, None, :]).softmax(dim=-1)
+                top_all = store[f"topk.{i}"].clamp(min=0)
+                sel_all = torch.zeros_like(dense_all[..., 0, :], dtype=torch.bool).scatter_(-1, top_all, True)
+                recall_all_sum[i] += (dense_all * sel_all[:, :, None, :]).sum(-1).mean(-1).double().sum()
                 mean = dense.mean(2)  # (B, T-k, S): the head-averaged distribution
                 oracle_sum[i] += mean.topk(k, dim=-1)[0].sum(-1).double().sum()
                 wide = store[f"iscores.{i}"][:, k:].topk(min(2 * k, seqlen), dim=-1)[1]
@@ -117,6 +125,7 @@ def recall_and_load(model, tokenizer: Tokenizer, texts: dict[str, str], seq_len:
                     for row, (name, _) in enumerate(batch):
                         loads[name, i] += torch.bincount(experts[row], minlength=args.n_routed_experts).double()
             n_queries += x.shape[0] * (seqlen - k)
+            n_all_queries += x.shape[0] * seqlen
             n_targets += x.shape[0] * (seqlen - 1)
     finally:
         for h in handles:
@@ -146,6 +155,8 @@ def recall_and_load(model, tokenizer: Tokenizer, texts: dict[str, str], seq_len:
         "queries": n_queries,
         "recall_per_layer": [round(r, 4) for r in per_layer],
         "recall_mean": round(sum(per_layer) / len(per_layer), 4),
+        "recall_all_queries_per_layer": [round(float(r), 4) for r in (recall_all_sum / n_all_queries)],
+        "recall_all_queries_mean": round(float(recall_all_sum.sum() / n_all_queries / args.n_layers), 4),
         "oracle_topk_mass_per_layer": [round(float(r), 4) for r in (oracle_sum / n_queries)],
         "recall_at_2k_per_layer": [round(float(r), 4) for r in (recall2k_sum / n_queries)],
         "load_relative_to_uniform": {str(i): [round(v, 3) for v in rel] for i, rel in load_rel.items()},
@@ -181,10 +192,11 @@ def measure(out: Path, work: Path, corpus, log) -> dict:
     models = {
         "fp8_bf16": lambda: load_model(out, dtype=torch.bfloat16),
         "fp8_f32": lambda: load_model(out, dtype=torch.float32),
-        "float_f32": lambda: train_demo.load_float(work / "float.safetensors"),
+        # the exported config (its index_topk), not this module's copy of train_demo's defaults
+        "float_f32": lambda: train_demo.load_float(work / "float.safetensors", ModelArgs.from_file(out)),
     }
     figures: dict = {"eval": {}, "indexer_and_experts": {}}
-    seq_len = train_demo.DEMO_ARGS.max_seq_len
+    seq_len = ModelArgs.from_file(out).max_seq_len
     for label, make in models.items():
         model = make()
         for name, text in texts.items():

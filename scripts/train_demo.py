@@ -94,7 +94,7 @@ DEMO_ARGS = ModelArgs(
     rope_factor=1.0,
     index_n_heads=4,
     index_head_dim=128,
-    index_topk=32,
+    index_topk=64,
     dtype="fp8",
     scale_fmt="ue8m0",
     bos_token_id=0,
@@ -409,15 +409,17 @@ def save_float(model: Transformer, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in hf_state_dict(model).items()}, str(path))
 
 
-def load_float(path: Path) -> Transformer:
-    """The unquantised trained model (float32 weights and activations) from save_float's file."""
+def load_float(path: Path, args: ModelArgs | None = None) -> Transformer:
+    """The unquantised trained model (float32 weights and activations) from save_float's file;
+    ``args``: the exported config (default: this run's)."""
+    args = (args or DEMO_ARGS).replace(dtype="bf16")
     from safetensors import safe_open
 
     from model.checkpoint import TensorSpec, WeightSource, build_model, materialize
 
     class _File(WeightSource):
         def __init__(self):
-            self.args = train_args()
+            self.args = args
             self.handle = safe_open(str(path), framework="pt")
 
         def specs(self):
@@ -426,7 +428,7 @@ def load_float(path: Path) -> Transformer:
         def load(self, name, device="cpu"):
             return self.handle.get_tensor(name).to(device)
 
-    model = build_model(train_args(), torch.float32, gate_bias=True, weight_dtype=torch.float32)
+    model = build_model(args, torch.float32, gate_bias=True, weight_dtype=torch.float32)
     materialize(model, _File())
     return model.eval()
 

@@ -148,6 +148,20 @@ def test_loads_and_heldout_sample_matches_the_card(demo_model, card):
 
 
 @needs_demo
+def test_indexer_recall_traced_live_on_the_heldout_sample(demo_model):
+    """What the app's attention page shows, on text the model never saw: the indexer's top-k holds
+    most of the dense attention mass wherever the sparse attention prunes (queries past k)."""
+    from tracing.runner import trace_tokens
+
+    args = demo_model.args
+    ids = Tokenizer(DEMO).encode((DEMO / "heldout_sample.txt").read_text())[: args.max_seq_len]
+    trace = trace_tokens(demo_model, ids, record="layers.*.attn.indexer.recall")
+    pruned = [trace[f"layers.{i}.attn.indexer.recall"][args.index_topk :].mean().item() for i in range(args.n_layers)]
+    assert sum(pruned) / len(pruned) >= 0.85, pruned  # 0.92 here; the card: 0.91 on the held-out texts
+    assert (trace["layers.0.attn.indexer.recall"][: args.index_topk] > 0.999).all()  # nothing pruned yet
+
+
+@needs_demo
 def test_card_figures_meet_the_targets(card):
     ev = card["figures"]["eval"]
     for name in ("austen_heldout", "python_faq_heldout"):
@@ -155,11 +169,11 @@ def test_card_figures_meet_the_targets(card):
         base = ev[name]["float_f32"]["bits_per_byte"]
         assert abs(ev[name]["fp8_bf16"]["bits_per_byte"] / base - 1) <= 0.03, name
     stats = card["figures"]["indexer_and_experts"]["fp8_bf16"]
-    # the 0.9 recall target is missed: the first blocks' attention is too diffuse for any 32 keys to
-    # hold 90% of it (see the card); the indexer covers nearly what the best 32 keys would
+    # the indexer's top-k holds 90% of the dense attention mass (queries that see more than k keys),
+    # nearly what the k heaviest keys would
     best = sum(stats["oracle_topk_mass_per_layer"]) / len(stats["oracle_topk_mass_per_layer"])
+    assert stats["recall_mean"] >= 0.9
     assert stats["recall_mean"] >= 0.95 * best
-    assert stats["recall_mean"] >= 0.7
     assert stats["load_min"] >= 0.25
 
 

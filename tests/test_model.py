@@ -7,6 +7,7 @@ import torch
 
 from model import TINY
 from model.checkpoint import load_model
+from model.linear import Linear
 from model.synthetic import SyntheticSource
 
 
@@ -230,7 +231,7 @@ def test_decode_without_passing_a_cache_continues_this_threads_prefill(tiny_fp32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("weights_form", ["fp8", "bf16", "fp8 amax/448 scales"])
+@pytest.mark.parametrize("weights_form", ["fp8", "bf16", "float32", "fp8 amax/448 scales"])
 def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form):
     """The sorted dispatch (inputs rounded to FP8 once per block, all experts in grouped products
     where the products allow) equals the reference's loop: for each expert in ascending order,
@@ -240,9 +241,13 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
     source = {
         "fp8": tiny_source,
         "bf16": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
+        "float32": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
         "fp8 amax/448 scales": SyntheticSource(TINY.replace(scale_fmt=None), seed=1),
     }[weights_form]
     moe = load_model(source, dtype=dtype).layers[1].ffn
+    if weights_form == "float32":  # as a float32 checkpoint (e.g. the demo's unquantised weights) loads
+        for lin in (m for m in moe.modules() if isinstance(m, Linear)):
+            lin.weight = torch.nn.Parameter(lin.weight.float(), requires_grad=False)
     x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.inference_mode():
         weights, indices = moe.gate(x)
@@ -256,6 +261,6 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
     assert torch.equal(routed, loop)
     # grouped products wherever dequantising first is exact (one CPU copy of each weight, shared)
     stacks = moe._stacked_weights()
-    assert (stacks is None) == (weights_form == "fp8 amax/448 scales")
+    assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
     if stacks is not None:
         assert moe.experts[3].w2._prepared()[1].data_ptr() == stacks[2][3].data_ptr()
