@@ -90,7 +90,7 @@ class Linear(nn.Module):
         if self.scale is None:
             return self.weight.to(dtype)
         fast, copy = self._prepared()
-        return copy.to(dtype) if fast else fp8.weight_dequant(self.weight, self.scale, dtype)
+        return copy.to(dtype) if fast and copy is not None else fp8.weight_dequant(self.weight, self.scale, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"

@@ -75,6 +75,10 @@ def test_gemm_equals_the_kernel_order(fmt, pow2_weight_scales):
         assert torch.equal(lin(x), got)
     rounded = fp8.Rounded.of(x, fmt)
     assert torch.equal(lin(rounded[2:5]), got[2:5])  # rows rounded once, products on a selection
+    want = fp8.weight_dequant(w, s, torch.bfloat16)
+    assert torch.equal(lin.dequantized(torch.bfloat16), want)
+    lin.cache_dequantized = False  # as on a GPU or while streaming: no float32 copy kept
+    assert torch.equal(lin(x), got) and torch.equal(lin.dequantized(torch.bfloat16), want)
 
 
 def test_dequantise_first_is_not_the_kernel_order_for_other_scales():
