@@ -264,3 +264,25 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
     assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
     if stacks is not None:
         assert moe.experts[3].w2._prepared()[1].data_ptr() == stacks[2][3].data_ptr()
+
+
+@pytest.mark.parametrize("weights", ["fp8", "fp8 amax/448 scales"])
+def test_no_float32_copies_changes_nothing(weights, tokens):
+    """The path GPUs and the streamer take (no float32 weight copies kept: FP8 weights dequantised
+    at each product, the MQA decode's absorbed weight made on the fly) gives the same prefill and
+    decode, bit for bit."""
+    args = {"fp8": TINY, "fp8 amax/448 scales": TINY.replace(scale_fmt=None)}[weights]
+    model = load_model(SyntheticSource(args, seed=2))
+
+    def run() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            cache = model.new_cache()
+            out = [model(tokens[:, :20], cache=cache, all_logits=True)]
+            out += [model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache) for pos in (20, 21)]
+        return out
+
+    copied = run()
+    for lin in (m for m in model.modules() if isinstance(m, Linear)):
+        lin.cache_dequantized = False
+    for a, b in zip(copied, run(), strict=True):
+        assert torch.equal(a, b)
