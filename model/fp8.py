@@ -165,8 +165,10 @@ def fp8_gemm(
         y = _blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), w, scale)
         return y.to(r.dtype).reshape(*lead, -1)
     a = r.values()  # float32 values on the FP8 grid
-    if a.is_cuda:  # both operands exact in bfloat16: cuBLAS multiplies exactly and accumulates in float32
-        return torch.matmul(a.to(torch.bfloat16), weight_dequant(weight, scale, torch.bfloat16).t()).to(r.dtype)
+    if a.is_cuda and r.dtype == torch.bfloat16:
+        # both operands exact in bfloat16: cuBLAS multiplies exactly, accumulates in float32 and
+        # rounds once to bfloat16, as the kernel's output
+        return torch.matmul(a.to(torch.bfloat16), weight_dequant(weight, scale, torch.bfloat16).t())
     w = cpu_weight if cpu_weight is not None else weight_dequant(weight, scale)
     return torch.matmul(a, w.t()).to(r.dtype)
 
