@@ -147,40 +147,43 @@ class MoE(nn.Module):
         return y
 
     def _grouped(self, rows: torch.Tensor | fp8.Rounded, stacks: tuple, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Expert.forward for all experts in three grouped products (rows sorted by expert, ``ends``
-        the cumulative row counts), rounding as each expert's own products would."""
-        w1, w3, w2 = stacks  # (E, inter, D), (E, inter, D), (E, D, inter) float32
+        """Expert.forward for all experts in two grouped products (rows sorted by expert, ``ends``
+        the cumulative row counts), rounding as each expert's own products would: w1 and w3 as one
+        product of twice the width (each output is its own dot product: the same values)."""
+        w13, w2 = stacks  # (E, 2 inter, D), (E, D, inter) float32
+        inter = w2.shape[-1]
         a = rows.values() if isinstance(rows, fp8.Rounded) else rows.float()  # (N k, D)
-        gate = _grouped_mm(a, w1.transpose(1, 2), offs=ends).to(dtype)  # (N k, inter)
-        up = _grouped_mm(a, w3.transpose(1, 2), offs=ends).to(dtype)
+        both = _grouped_mm(a, w13.transpose(1, 2), offs=ends)  # (N k, 2 inter): w1 x, w3 x
+        gate, up = both[:, :inter].to(dtype), both[:, inter:].to(dtype)
         hidden = (F.silu(gate.float()) * up.float()).to(dtype)
         h = fp8.Rounded.of(hidden, self.scale_fmt).values() if isinstance(rows, fp8.Rounded) else hidden.float()
         return _grouped_mm(h, w2.transpose(1, 2), offs=ends).to(dtype)  # (N k, D)
 
-    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The experts' float32 weight copies as three (E, out, in) stacks, which the experts' own
-        Linears then share (views, no second copy). None where products run one expert at a time:
-        no grouped product in this torch, experts held elsewhere (expert parallelism), no copies (GPU,
-        streaming, training), float32 weights (stacking would copy them), or FP8 scales that need
-        the kernel's block order."""
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts' float32 weight copies as two stacks, [w1; w3] (E, 2 inter, D) and w2 (E, D,
+        inter), which the experts' own Linears then share (views, no second copy). None where
+        products run one expert at a time: no grouped product in this torch, experts held elsewhere
+        (expert parallelism), no copies (GPU, streaming, training), float32 weights (stacking would
+        copy them), or FP8 scales that need the kernel's block order."""
         if _grouped_mm is None or any(e is None for e in self.experts):
             return None
+        linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # expert by expert
+        plans = [lin._prepared() for lin in linears]
+        if any(copy is None or fast is False for fast, copy in plans):
+            return None
+        if linears[0].weight.dtype == torch.float32:  # the copies are the weights: a stack would be a second
+            return None
         cached = self.__dict__.get("_stacks")
-        linears = [[e.w1 for e in self.experts], [e.w3 for e in self.experts], [e.w2 for e in self.experts]]
-        plans = [[lin._prepared() for lin in group] for group in linears]
-        if any(copy is None or fast is False for group in plans for fast, copy in group):
-            return None
-        if linears[0][0].weight.dtype == torch.float32:  # the copies are the weights: a stack would be a second
-            return None
         if cached is not None and all(
-            copy.data_ptr() == stack[j].data_ptr()
-            for group, stack in zip(plans, cached, strict=True)
-            for j, (_, copy) in enumerate(group)
+            copy.data_ptr() == view.data_ptr() for (_, copy), view in zip(plans, cached[1], strict=True)
         ):
-            return cached
-        stacks = tuple(torch.stack([copy for _, copy in group]) for group in plans)
-        for group, stack in zip(linears, stacks, strict=True):
-            for j, lin in enumerate(group):
-                lin.share_copy(stack[j])
-        self.__dict__["_stacks"] = stacks
-        return stacks
+            return cached[0]
+        copies = [copy for _, copy in plans]
+        w13 = torch.stack([torch.cat(copies[i : i + 2]) for i in range(0, len(copies), 3)])  # (E, 2 inter, D)
+        w2 = torch.stack(copies[2::3])  # (E, D, inter)
+        inter = w2.shape[-1]
+        views = [v for e in range(len(self.experts)) for v in (w13[e, :inter], w13[e, inter:], w2[e])]
+        for lin, view in zip(linears, views, strict=True):
+            lin.share_copy(view)
+        self.__dict__["_stacks"] = ((w13, w2), views)
+        return w13, w2

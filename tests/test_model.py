@@ -263,7 +263,8 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
     stacks = moe._stacked_weights()
     assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
     if stacks is not None:
-        assert moe.experts[3].w2._prepared()[1].data_ptr() == stacks[2][3].data_ptr()
+        assert moe.experts[3].w2._prepared()[1].data_ptr() == stacks[1][3].data_ptr()
+        assert moe.experts[3].w3._prepared()[1].data_ptr() == stacks[0][3, TINY.moe_inter_dim :].data_ptr()
 
 
 @pytest.mark.parametrize("weights", ["fp8", "fp8 amax/448 scales"])
