@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import plotly.graph_objects as go
 
 from . import plots, shaping
@@ -45,9 +46,16 @@ def index_scores(view: View, block: int, **_) -> go.Figure | None:
     got = shaping.index_scores(view.trace, block)
     if got is None:
         return None
+    scores, chosen = got
     k = min(view.config.index_topk, view.n_tokens)
+    # mark whichever is rarer, so the scores stay visible: the selected keys, or (when most
+    # visible keys are selected) the ones the sparse attention drops
+    dropped = np.tril(np.ones_like(chosen, dtype=bool)) & ~chosen
+    if dropped.sum() < chosen.sum():
+        title = f"Block {block}: index scores I, keys outside the top {k} crossed (dropped)"
+        return plots.index_scores(scores, dropped, labels(view), title, marks="dropped")
     title = f"Block {block}: index scores I, the {k} selected keys per query circled"
-    return plots.index_scores(got[0], got[1], labels(view), title)
+    return plots.index_scores(scores, chosen, labels(view), title)
 
 
 def sparse_mask(view: View, block: int, **_) -> go.Figure | None:

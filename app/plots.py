@@ -443,22 +443,24 @@ def attention(z: np.ndarray, labels: list[str], title: str) -> go.Figure:
     return _pair_figure([_pair_heatmap(z, labels, ATTN, "p", zmin=0)], labels, title)
 
 
-def index_scores(z: np.ndarray, chosen: np.ndarray, labels: list[str], title: str) -> go.Figure:
-    q, k = np.nonzero(chosen)
+def index_scores(z: np.ndarray, marked: np.ndarray, labels: list[str], title: str, marks: str = "selected") -> go.Figure:
+    """Index scores with the ``marked`` (query, key) cells drawn over them: the selected keys
+    (circles), or the visible keys the top-k drops (crosses)."""
+    q, k = np.nonzero(marked)
     names = np.asarray(labels, dtype=object)
     marks = {
         "type": "scatter",
         "x": names[k],
         "y": names[q],
         "mode": "markers",
-        "name": "selected key",
+        "name": f"{marks} key",
         "marker": {
-            "symbol": "circle-open",
+            "symbol": "circle-open" if marks == "selected" else "x-thin-open",
             "size": 7 if len(labels) <= 64 else 4,
             "color": COLORS["marker"],
             "line": {"width": 1.5},
         },
-        "hovertemplate": "selected<br>query %{y}<br>key %{x}<extra></extra>",
+        "hovertemplate": f"{marks}<br>query %{{y}}<br>key %{{x}}<extra></extra>",
     }
     return _pair_figure([_pair_heatmap(z, labels, SEQUENTIAL, "I", fmt=".3f"), marks], labels, title, showlegend=True)
 

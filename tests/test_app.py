@@ -101,6 +101,25 @@ def test_router_page_recomputes_the_traced_selection(app):
         assert effect is not None and effect.reproduced, block
 
 
+def test_index_scores_mark_the_rarer_of_selected_and_dropped_keys(app):
+    """Where most visible keys are selected (the default prompt is longer than index_topk, but not
+    twice), the plot crosses the dropped keys instead of circling nearly every cell."""
+    from app import card_plots
+
+    entry = shown_entry(app)
+    n, k = entry.trace.n_tokens, entry.trace.config.index_topk
+    for block in range(entry.trace.config.n_layers):
+        fig = card_plots.index_scores(state.View(entry, block), block)
+        marks = fig.data[-1]
+        dropped = sum(max(0, t + 1 - k) for t in range(n))
+        selected = sum(min(t + 1, k) for t in range(n))
+        if dropped < selected:
+            assert marks.name == "dropped key" and len(marks.x) == dropped, block
+        else:
+            assert marks.name == "selected key" and len(marks.x) == selected, block
+    assert k < n, "the default prompt should be longer than index_topk, so the sparse attention prunes"
+
+
 # --- export -----------------------------------------------------------------------------------------------
 def test_export_offers_every_table_with_its_csv_header(app):
     app.switch_page("views/export.py").run()
