@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import plotly.graph_objects as go
 
 from . import plots, shaping
@@ -50,7 +49,7 @@ def index_scores(view: View, block: int, **_) -> go.Figure | None:
     k = min(view.config.index_topk, view.n_tokens)
     # mark whichever is rarer, so the scores stay visible: the selected keys, or (when most
     # visible keys are selected) the ones the sparse attention drops
-    dropped = np.tril(np.ones_like(chosen, dtype=bool)) & ~chosen
+    dropped = ~shaping.future_mask(len(chosen)) & ~chosen
     if dropped.sum() < chosen.sum():
         title = f"Block {block}: index scores I, keys outside the top {k} crossed (dropped)"
         return plots.index_scores(scores, dropped, labels(view), title, marks="dropped")

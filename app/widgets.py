@@ -4,13 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
+
+from tracing.tables import to_csv_bytes
 
 from . import card_plots, cards, shaping
 from .state import View
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
+
+
+def csv_button(where, frame: pd.DataFrame, file_name: str, key: str) -> None:
+    """A table's CSV download in the container ``where``; the CSV is made only when clicked."""
+    where.download_button(
+        "CSV",
+        data=lambda: to_csv_bytes(frame),
+        file_name=file_name,
+        mime="text/csv",
+        key=key,
+        on_click="ignore",
+        icon=":material/table:",
+        width="stretch",
+    )
 
 
 def chart(fig: go.Figure, key: str | None = None) -> None:

@@ -119,6 +119,11 @@ def is_pow2(scale: torch.Tensor) -> bool:
     return bool(torch.all(_pow2_ceil(scale.float()) == scale))
 
 
+def dequantise_first_is_exact(scale: torch.Tensor, scale_fmt: str | None) -> bool:
+    """fp8_gemm's ``fast``: activation scales are powers of two (``ue8m0``) and so are the weight's."""
+    return bool(scale_fmt) and is_pow2(scale)
+
+
 @dataclass(frozen=True)
 class Rounded:
     """An activation rounded through act_quant (FP8 codes and float32 scales per 128 values) and the
@@ -158,7 +163,7 @@ def fp8_gemm(
     """
     r = x if isinstance(x, Rounded) else Rounded.of(x, scale_fmt)
     if fast is None:
-        fast = bool(scale_fmt) and is_pow2(scale)
+        fast = dequantise_first_is_exact(scale, scale_fmt)
     *lead, k = r.codes.shape
     if not fast:
         w = cpu_weight if cpu_weight is not None else to_float(weight)

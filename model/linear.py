@@ -39,8 +39,8 @@ class Linear(nn.Module):
             )
         else:
             self.register_parameter("scale", None)
-        self._cached: tuple | None = None  # (weight, scale, fast, float32 copy): see _prepared
-        self._fast_at: tuple[int, bool] | None = None  # (scale's data_ptr, fast) where nothing is cached
+        self._cached: tuple | None = None  # (weight, scale, float32 copy): see _prepared
+        self._fast_at: tuple[int, bool] | None = None  # (scale's data_ptr, fast): see _fast
 
     def forward(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
         fast, copy = self._prepared()
@@ -51,39 +51,44 @@ class Linear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype))
 
     def _prepared(self) -> tuple[bool | None, torch.Tensor | None]:
-        """Whether the FP8 product may dequantise first (fp8.fp8_gemm's ``fast``; None: let it
-        decide), and a float32 copy of what the product multiplies: the dequantised weight when
-        fast, the FP8 codes otherwise, the weight itself for 16/32-bit weights. Made once per weight
-        tensor, on the CPU only and not while the weight is trained or streamed."""
+        """Whether the FP8 product may dequantise first (fp8.fp8_gemm's ``fast``; None for 16/32-bit
+        weights), and a float32 copy of what the product multiplies: the dequantised weight when
+        fast, the FP8 codes otherwise, the weight itself for 16/32-bit weights. The copy is made
+        once per weight tensor, on the CPU only and not while the weight is trained or streamed."""
         weight, scale = self.weight, self.scale
+        fast = self._fast()
         if not self.cache_dequantized or weight.device.type != "cpu" or weight.requires_grad:
-            if scale is None or scale.is_meta:
-                return None, None
-            # no copy and no reference kept (streamed weights must be freeable): remember the
-            # answer by the scale's address, which is reloaded from the same checkpoint tensor
-            known = self._fast_at
-            if known is None or known[0] != scale.data_ptr():
-                known = self._fast_at = (scale.data_ptr(), bool(self.scale_fmt) and fp8.is_pow2(scale))
-            return known[1], None
+            return fast, None
         if weight.dtype == torch.float32:
-            return None, weight.detach()
+            return fast, weight.detach()
         cached = self._cached
         if cached is None or cached[0] is not weight or cached[1] is not scale:
-            fast = None if scale is None else bool(self.scale_fmt) and fp8.is_pow2(scale)
             if scale is None:
                 copy = weight.detach().float()
             else:
                 copy = fp8.weight_dequant(weight, scale) if fast else fp8.to_float(weight.detach())
-            cached = self._cached = (weight, scale, fast, copy)
-        return cached[2], cached[3]
+            cached = self._cached = (weight, scale, copy)
+        return fast, cached[2]
+
+    def _fast(self) -> bool | None:
+        """fp8.dequantise_first_is_exact for this weight's scales, worked out once per scale tensor.
+        Remembered by the scale's address, not a reference, so streamed weights stay freeable (a
+        scale is reloaded from the same checkpoint tensor)."""
+        scale = self.scale
+        if scale is None or scale.is_meta:
+            return None
+        known = self._fast_at
+        if known is None or known[0] != scale.data_ptr():
+            known = self._fast_at = (scale.data_ptr(), fp8.dequantise_first_is_exact(scale, self.scale_fmt))
+        return known[1]
 
     def share_copy(self, copy: torch.Tensor) -> None:
         """Hold ``copy`` (equal to this Linear's own float32 copy, e.g. a view into the stack of a
         MoE block's experts) in place of the copy; nothing is copied."""
         cached = self._cached
-        if cached is None or cached[3] is None or not torch.equal(cached[3], copy):
+        if cached is None or not torch.equal(cached[2], copy):
             raise ValueError("share_copy: not this Linear's float32 copy")
-        self._cached = (*cached[:3], copy)
+        self._cached = (*cached[:2], copy)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""

@@ -99,18 +99,15 @@ def recall_and_load(model, tokenizer: Tokenizer, texts: dict[str, str], seq_len:
             seqlen = x.shape[1]
             causal = torch.full((seqlen, seqlen), float("-inf")).triu_(1)
             for i in range(args.n_layers):
-                scores = store[f"scores.{i}"].float()[:, k:]  # (B, T-k, H, S): queries that see more than k keys
-                dense = (scores + causal[k:, None, :]).softmax(dim=-1)
-                top = store[f"topk.{i}"][:, k:]  # (B, T-k, K): all valid there
-                sel = torch.zeros_like(dense[..., 0, :], dtype=torch.bool).scatter_(-1, top, True)
-                covered = (dense * sel[:, :, None, :]).sum(-1).mean(-1)  # (B, T-k): averaged over heads
-                recall_sum[i] += covered.double().sum()
-                # every query of the window: one that sees at most k keys selects them all (its -1
-                # slots name no key; key 0 is among its selected keys anyway)
-                dense_all = (store[f"scores.{i}"].float() + causal[:, None, :]).softmax(dim=-1)
-                top_all = store[f"topk.{i}"].clamp(min=0)
-                sel_all = torch.zeros_like(dense_all[..., 0, :], dtype=torch.bool).scatter_(-1, top_all, True)
-                recall_all_sum[i] += (dense_all * sel_all[:, :, None, :]).sum(-1).mean(-1).double().sum()
+                dense_all = (store[f"scores.{i}"].float() + causal[:, None, :]).softmax(dim=-1)  # (B, T, H, S)
+                # a query that sees at most k keys selects them all: its -1 slots name no key (key 0
+                # is among its selected keys anyway); past k every slot is a key
+                top = store[f"topk.{i}"].clamp(min=0)  # (B, T, K)
+                sel = torch.zeros_like(dense_all[..., 0, :], dtype=torch.bool).scatter_(-1, top, True)
+                covered = (dense_all * sel[:, :, None, :]).sum(-1).mean(-1)  # (B, T): averaged over heads
+                recall_sum[i] += covered[:, k:].double().sum()  # queries that see more than k keys
+                recall_all_sum[i] += covered.double().sum()  # every query of the window
+                dense = dense_all[:, k:]  # (B, T-k, H, S)
                 mean = dense.mean(2)  # (B, T-k, S): the head-averaged distribution
                 oracle_sum[i] += mean.topk(k, dim=-1)[0].sum(-1).double().sum()
                 wide = store[f"iscores.{i}"][:, k:].topk(min(2 * k, seqlen), dim=-1)[1]
@@ -181,6 +178,7 @@ def measure(out: Path, work: Path, corpus, log) -> dict:
     import train_demo
 
     tokenizer = Tokenizer(out)
+    exported = ModelArgs.from_file(out)
     texts = {
         "austen_heldout": corpus.heldout_austen[:MEASURE_CHARS],
         "python_faq_heldout": corpus.heldout_pydoc[:MEASURE_CHARS],
@@ -193,10 +191,10 @@ def measure(out: Path, work: Path, corpus, log) -> dict:
         "fp8_bf16": lambda: load_model(out, dtype=torch.bfloat16),
         "fp8_f32": lambda: load_model(out, dtype=torch.float32),
         # the exported config (its index_topk), not this module's copy of train_demo's defaults
-        "float_f32": lambda: train_demo.load_float(work / "float.safetensors", ModelArgs.from_file(out)),
+        "float_f32": lambda: train_demo.load_float(work / "float.safetensors", exported),
     }
     figures: dict = {"eval": {}, "indexer_and_experts": {}}
-    seq_len = ModelArgs.from_file(out).max_seq_len
+    seq_len = exported.max_seq_len
     for label, make in models.items():
         model = make()
         for name, text in texts.items():

@@ -412,7 +412,7 @@ def save_float(model: Transformer, path: Path) -> None:
 def load_float(path: Path, args: ModelArgs | None = None) -> Transformer:
     """The unquantised trained model (float32 weights and activations) from save_float's file;
     ``args``: the exported config (default: this run's)."""
-    args = (args or DEMO_ARGS).replace(dtype="bf16")
+    args = args.replace(dtype="bf16") if args else train_args()
     from safetensors import safe_open
 
     from model.checkpoint import TensorSpec, WeightSource, build_model, materialize

@@ -81,16 +81,7 @@ def page() -> None:
         with st.container(border=True):
             head, csv, parquet = st.columns([6, 1, 1], vertical_alignment="center")
             head.markdown(f"**{name}** · {len(frame):,} rows × {frame.shape[1]} columns  \n{describe(name)}")
-            csv.download_button(
-                "CSV",
-                data=lambda frame=frame: to_csv_bytes(frame),
-                file_name=f"{stem}-{name}.csv",
-                mime="text/csv",
-                key=f"dl_csv_{name}",
-                on_click="ignore",
-                icon=":material/table:",
-                width="stretch",
-            )
+            widgets.csv_button(csv, frame, f"{stem}-{name}.csv", f"dl_csv_{name}")
             parquet.download_button(
                 "Parquet",
                 data=lambda frame=frame: parquet_bytes(frame),

@@ -19,7 +19,6 @@ from app.views.export import zip_bytes
 from tracing.diff import diff_tables, summary
 from tracing.errors import InputError
 from tracing.interventions import AblateExperts, IndexTopK, Intervention, NoGateBias
-from tracing.tables import to_csv_bytes
 
 ATTENTION = ("model", "dense", "topk")
 # widget values kept while the page is not drawn (another page, another block's expert list)
@@ -488,16 +487,7 @@ def diff_downloads(base: state.Entry, iv: state.Entry, tables: dict) -> None:
             frame = tables[name]
             head, button = st.columns([5, 1], vertical_alignment="center")
             head.caption(f"{TABLES[name][1]} {len(frame):,} rows; the CSV holds them all.")
-            button.download_button(
-                "CSV",
-                data=lambda frame=frame: to_csv_bytes(frame),
-                file_name=f"{stem}-{name}.csv",
-                mime="text/csv",
-                key=f"iv_dl_csv_{name}",
-                on_click="ignore",
-                icon=":material/table:",
-                width="stretch",
-            )
+            widgets.csv_button(button, frame, f"{stem}-{name}.csv", f"iv_dl_csv_{name}")
             shown = changed_rows(frame, name) if only else frame
             if len(shown) > MAX_ROWS:
                 st.caption(f"The first {MAX_ROWS:,} of {len(shown):,} rows:")
