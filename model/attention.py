@@ -41,10 +41,10 @@ class MLA(nn.Module):
         self.softmax_scale = args.softmax_scale  # (Dn + R)^-0.5, times YaRN's mscale^2
 
         self.wq_a = Linear(self.dim, self.q_lora_rank, linear, fmt)
-        self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps, weight_dtype)
+        self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
         self.wq_b = Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, linear, fmt)
         self.wkv_a = Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, linear, fmt)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps, weight_dtype)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), linear, fmt)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, linear, fmt)
         self.indexer = Indexer(args, weight_dtype)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import ConfigError, ModelArgs
-from .names import from_hf, layer_of, to_hf
+from .names import STORED_BF16, from_hf, layer_of, to_hf
 from .transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -186,10 +186,16 @@ class SafetensorsSource(WeightSource):
 
 
 def expected_specs(args: ModelArgs, gate_bias: bool | None = None) -> dict[str, TensorSpec]:
-    """Every checkpoint tensor the model needs (MTP layer excluded): name -> shape and dtype."""
+    """Every checkpoint tensor the model needs (MTP layer excluded): name -> shape and the dtype
+    the checkpoint stores it in (the module's, but bfloat16 for names.STORED_BF16)."""
     with torch.device("meta"):
         model = Transformer(args, gate_bias=gate_bias)
-    return {to_hf(name): TensorSpec(tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+    return {to_hf(name): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype)) for name, p in model.named_parameters()}
+
+
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The checkpoint dtype of the parameter ``name`` (module path) held in ``dtype``."""
+    return torch.bfloat16 if name.endswith(STORED_BF16) and dtype == torch.float32 else dtype
 
 
 def check_tensor(name: str, found: TensorSpec, want: TensorSpec, where: str) -> None:

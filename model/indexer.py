@@ -34,8 +34,9 @@ class Indexer(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, linear, args.scale_fmt)
         self.wk = Linear(self.dim, self.head_dim, linear, args.scale_fmt)
-        self.k_norm = LayerNorm(self.head_dim, dtype=weight_dtype)
-        self.weights_proj = Linear(self.dim, self.n_heads, weight_dtype)  # never FP8; used in float32
+        self.k_norm = LayerNorm(self.head_dim)
+        # float32 as the reference holds it (the checkpoint stores bf16): applied to the float32 input
+        self.weights_proj = Linear(self.dim, self.n_heads, torch.float32)
         self.head_weights = HookPoint("B T H")  # w[t, h]: weights_proj(x) / sqrt(H)
         self.scores = HookPoint("B T S")  # I[t, s], float32, -inf where masked
         self.topk_indices = HookPoint("B T K")  # selected key positions, -1 for none

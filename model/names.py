@@ -33,6 +33,10 @@ INNER: tuple[tuple[str, str], ...] = (
     ("scale", "weight_scale_inv"),
 )
 _GATE_BIAS = ("gate.bias", "gate.e_score_correction_bias")
+# Parameters the checkpoint stores in another dtype than the reference's module holds them: the
+# module keeps float32 (the products are formed in float32), the file has bfloat16. Every other
+# parameter is stored as the module holds it.
+STORED_BF16 = ("head.weight", "indexer.weights_proj.weight")
 _TOP_TO_HF = dict(TOP)
 _TOP_FROM_HF = {hf: ours for ours, hf in TOP}
 _TO_HF = dict(INNER)

@@ -47,7 +47,7 @@ from .checkpoint import CheckpointError, SafetensorsSource, TensorSpec, WeightSo
 from .fp8 import FP8
 from .linear import Linear
 from .moe import MoE
-from .names import to_hf
+from .names import STORED_BF16, from_hf, to_hf
 from .transformer import Transformer
 
 if TYPE_CHECKING:
@@ -464,7 +464,7 @@ class Streamer:
 
     def _load(self, unit: _Unit) -> list[torch.Tensor]:
         t = time.perf_counter()
-        tensors, nbytes = [], 0
+        tensors, nbytes, read = [], 0, 0  # bytes held (in the parameters' dtypes), bytes read
         reader = self._reader
         # host reads go into memory recycled from freed weights: fresh pages would be faulted in
         # (zeroed by the kernel) on every read, which halves the read speed on the CPU
@@ -478,7 +478,8 @@ class Streamer:
         for p, size, offset in zip(unit.params, sizes, offsets, strict=True):
             into = unit.arena[offset : offset + size] if size else None
             tensor = reader.read(to_hf(p.name), self.device, self.parts.get(p.name), into)
-            if tensor.dtype != p.meta.dtype:
+            read += tensor.numel() * tensor.element_size()
+            if tensor.dtype != p.meta.dtype:  # the head and weights_proj: bf16 stored, float32 held
                 tensor = tensor.to(p.meta.dtype)
             tensors.append(tensor)
             nbytes += tensor.numel() * tensor.element_size()
@@ -491,7 +492,7 @@ class Streamer:
             self._loaded_unassigned += nbytes
             self._note_peak()
             owner = self.stats.units.setdefault(self._owner_name(unit), UnitStats(self._owner_name(unit)))
-            owner.bytes += nbytes
+            owner.bytes += read
             owner.load_seconds += seconds
             if unit.name != owner.name:
                 owner.experts += 1
@@ -650,16 +651,17 @@ def print_progress(out: TextIO | None = None, width: int = 24) -> ProgressFn:
 
 
 def model_bytes(source: WeightSource, device: torch.device | str = "cpu") -> int:
-    """Memory the fully loaded model takes on ``device``: its weights, plus on the CPU the float32
-    copy :class:`~model.linear.Linear` keeps of each FP8 weight once used (4 bytes per weight)."""
+    """Memory the fully loaded model takes on ``device``: its weights (the head and ``weights_proj``
+    held in float32), plus on the CPU the float32 copy :class:`~model.linear.Linear` keeps of each
+    FP8 weight once used (4 bytes per weight)."""
     specs = source.specs()
     total = 0
     cpu = torch.device(device).type == "cpu"
-    for spec in specs.values():
+    for name, spec in specs.items():
         numel = 1
         for s in spec.shape:
             numel *= s
-        total += numel * spec.dtype.itemsize
+        total += numel * (4 if from_hf(name).endswith(STORED_BF16) else spec.dtype.itemsize)
         if cpu and spec.dtype == FP8:
             total += numel * 4
     return total

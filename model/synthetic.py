@@ -3,8 +3,12 @@ the 690 GB download, and tests get a random model of any config.
 
 Each tensor is drawn from a generator seeded by (seed, its name), on the device asked for, so it is
 the same whenever and wherever it is read (for one device type). Values are scaled like a trained
-model's: FP8 weights use the e4m3 range with a power-of-two block scale giving about 1/sqrt(fan_in)
-per element; norms are ones; the router's bias is small and positive.
+model's: FP8 weights use the e4m3 range with a block scale giving about 1/sqrt(fan_in) per element
+(a power of two for ``scale_fmt: ue8m0``, as the real checkpoint; otherwise that times a random
+factor, as amax/448 scales are); norm gains near one and the indexer's LayerNorm bias near zero;
+the router's bias small and positive. Every value uses the full precision of its checkpoint dtype
+(float32 norms, biases and scales are not rounded to bfloat16), so a load or a product that rounds
+one shows up.
 """
 
 from __future__ import annotations
@@ -65,16 +69,19 @@ class SyntheticSource(WeightSource):
             return self._normal(name, spec.shape, device, _FP8_STD).clamp_(-448, 448).to(FP8)
         if name.endswith("weight_scale_inv"):
             fan_in = self._specs[name.replace("weight_scale_inv", "weight")].shape[1]
-            # a power of two (ue8m0), making dequantised weights ~ N(0, 1/fan_in)
+            # a power of two making dequantised weights ~ N(0, 1/fan_in)
             value = 2.0 ** round(math.log2(fan_in**-0.5 / _FP8_STD))
-            return torch.full(spec.shape, value, dtype=torch.float32, device=device)
+            scale = torch.full(spec.shape, value, dtype=torch.float32, device=device)
+            if self.args.scale_fmt is None:  # amax/448-like: any float32 in [value, 2 value)
+                scale = scale * (1 + torch.rand(spec.shape, generator=self._generator(name, device), device=device))
+            return scale
         if name.endswith("e_score_correction_bias"):
             gen = self._generator(name, device)
             return (torch.rand(spec.shape, generator=gen, device=device) * 0.01).to(spec.dtype)
         if name.endswith("norm.weight") or "layernorm" in name:
-            return torch.ones(spec.shape, dtype=spec.dtype, device=device)
+            return (1 + self._normal(name, spec.shape, device, 0.1)).to(spec.dtype)
         if name.endswith("k_norm.bias"):
-            return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+            return self._normal(name, spec.shape, device, 0.1).to(spec.dtype)
         std = 1.0 if "embed_tokens" in name else spec.shape[-1] ** -0.5
         return self._normal(name, spec.shape, device, std).to(spec.dtype)
 

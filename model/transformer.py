@@ -56,8 +56,8 @@ class Block(nn.Module):
             self.ffn = MLP(args.dim, args.inter_dim, linear, args.scale_fmt)
         else:
             self.ffn = MoE(args, weight_dtype, gate_bias)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, weight_dtype)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, weight_dtype)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.resid_pre = HookPoint("B T D")  # x_n, the stream entering the block (float32 sum)
         self.attn_out = HookPoint("B T D")  # the attention update
         self.resid_mid = HookPoint("B T D")  # x'_n = x_n + attention update (float32 sum)
@@ -111,7 +111,9 @@ class Transformer(nn.Module):
     thread, so threads sharing the model do not mix).
 
     ``dtype`` is the activation dtype (bfloat16 as the reference, or float32); ``weight_dtype`` the
-    dtype of every weight that is not FP8 (the checkpoint's bfloat16 by default).
+    dtype of the weights the reference holds in bfloat16: the embedding, the router and the linears
+    that are not FP8. Norms, ``weights_proj`` and the head are float32 whatever it is, as the
+    reference's modules (README, Numerics: the dtype audit).
     """
 
     def __init__(
@@ -126,8 +128,9 @@ class Transformer(nn.Module):
         self.dtype = dtype
         self.embed = Embedding(args.vocab_size, args.dim, weight_dtype)
         self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype, gate_bias) for i in range(args.n_layers)])
-        self.norm = RMSNorm(args.dim, args.norm_eps, weight_dtype)
-        self.head = Linear(args.dim, args.vocab_size, weight_dtype)  # applied in float32
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # float32 as the reference holds it (the checkpoint stores bf16): logits are formed in float32
+        self.head = Linear(args.dim, args.vocab_size, torch.float32)
         self.logits = nn.Module()
         self.logits.last = HookPoint("B V")  # logits of the last position, float32
         self.logits.all = HookPoint("B T V")  # every position's logits, when asked for

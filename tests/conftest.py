@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from model import TINY  # noqa: E402
-from model.checkpoint import hf_state_dict, load_model, save_checkpoint
+from model.checkpoint import load_model, save_checkpoint
 from model.synthetic import SyntheticSource
 
 
@@ -33,9 +33,11 @@ def tiny_model(tiny_source):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory, tiny_model):
+def tiny_checkpoint(tmp_path_factory, tiny_source):
+    """The tiny source written in the checkpoint's layout: each tensor in its checkpoint dtype, at
+    that dtype's full precision (float32 norm gains are not bfloat16 values)."""
     directory = tmp_path_factory.mktemp("ckpt") / "tiny"
-    return save_checkpoint(hf_state_dict(tiny_model), TINY, directory, n_shards=2)
+    return save_checkpoint({n: tiny_source.load(n) for n in tiny_source.specs()}, TINY, directory, n_shards=2)
 
 
 @pytest.fixture()

@@ -10,10 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import TINY
-from model.checkpoint import CheckpointError, SafetensorsSource, expected_specs, load_model
+from model.checkpoint import CheckpointError, SafetensorsSource, expected_specs, load_model, save_checkpoint
 from model.config import ModelArgs
+from model.names import to_hf
+from model.synthetic import SyntheticSource
 
 REAL_NAMES = Path(__file__).resolve().parents[1] / "assets" / "configs" / "real_weight_names.txt.gz"
+NORMS = ("layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias")  # float32 in the checkpoint
 
 
 def test_saved_checkpoint_has_the_real_layout(tiny_checkpoint):
@@ -48,6 +51,42 @@ def test_names_shapes_and_dtypes_match_the_real_671b_checkpoint():
     assert specs["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert specs["model.layers.3.mlp.experts.255.down_proj.weight"].shape == (7168, 2048)
     assert specs["lm_head.weight"].dtype == torch.bfloat16
+    norms = [n for n in specs if n.endswith(NORMS)]
+    assert len(norms) == 61 * 6 + 1 and all(specs[n].dtype == torch.float32 for n in norms)
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values in a form torch.equal compares exactly across dtypes (FP8 by its codes)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.double()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [TINY, TINY.replace(scale_fmt=None), TINY.replace(dtype="bf16", scale_fmt=None)],
+    ids=["fp8 ue8m0", "fp8 amax/448 scales", "bf16"],
+)
+def test_every_loaded_parameter_equals_its_checkpoint_tensor(tmp_path, args):
+    """A checkpoint drawn at the full precision of each tensor's dtype (float32 norm gains, LayerNorm
+    bias, router bias and, without ue8m0, block scales that are no powers of two) loads without
+    rounding: each parameter holds exactly the file's values, as the reference's modules do."""
+    source = SyntheticSource(args, seed=5)
+    tensors = {name: source.load(name) for name in source.specs()}
+    gen = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():  # the real layout's float32 norms, whatever the model declares
+        if name.endswith(NORMS):
+            tensors[name] = (name.endswith("weight") + 0.1 * torch.randn(t.shape, generator=gen)).float()
+    full = [n for n, t in tensors.items() if t.dtype == torch.float32 and not (args.scale_fmt and "scale_inv" in n)]
+    assert full and all(not torch.equal(tensors[n], tensors[n].bfloat16().float()) for n in full)  # not bf16 values
+    if args.scale_fmt is None and args.dtype == "fp8":
+        scales = torch.cat([t.flatten() for n, t in tensors.items() if n.endswith("weight_scale_inv")])
+        assert not torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # not powers of two
+    model = load_model(save_checkpoint(tensors, args, tmp_path / "ckpt"))
+    params = dict(model.named_parameters())
+    assert sorted(to_hf(n) for n in params) == sorted(tensors)
+    for name, param in params.items():
+        want = tensors[to_hf(name)]
+        assert param.dtype == want.dtype or (param.dtype, want.dtype) == (torch.float32, torch.bfloat16), name
+        assert torch.equal(_exact(param.detach()), _exact(want)), name
 
 
 def test_reading_specs_does_not_load_tensors(tiny_checkpoint):

@@ -167,9 +167,9 @@ def test_streaming_needs_a_meta_model_and_names_a_missing_tensor(tiny_model, tin
 
 def test_should_stream_decides_from_the_weights_and_free_memory(tiny_source):
     assert not should_stream(tiny_source, "cpu")
-    real = synthetic_source(REPO / "assets/configs/config_671B_hf.json", n_layers=4)  # 17 GB of FP8 weights
+    real = synthetic_source(REPO / "assets/configs/config_671B_hf.json", n_layers=4)  # 17 GB, 19 GB held (float32 head)
     fp8_bytes = model_bytes(real, "cuda")
-    assert 16e9 < fp8_bytes < 18e9
+    assert 18e9 < fp8_bytes < 20e9
     assert model_bytes(real, "cpu") > 3 * fp8_bytes  # plus the float32 copies Linear keeps on the CPU
     assert should_stream(real, "cpu")  # more than this machine has
     fp8 = [s for s in tiny_source.specs().values() if s.dtype == torch.float8_e4m3fn]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import TINY
-from model.checkpoint import build_model, expected_specs, materialize, validate
+from model.checkpoint import build_model, expected_specs, materialize, stored_dtype, validate
 from model.config import ConfigError, ModelArgs
 from model.names import layer_of, to_hf
 from model.stream import model_bytes
@@ -25,15 +25,15 @@ F8, BF16, F32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32
 # Shapes and dtypes of deepseek-ai/DeepSeek-V3.2-Exp's safetensors headers (one of each kind).
 REAL = {
     "model.embed_tokens.weight": ((129280, 7168), BF16),
-    "model.layers.0.input_layernorm.weight": ((7168,), BF16),
+    "model.layers.0.input_layernorm.weight": ((7168,), F32),
     "model.layers.0.self_attn.q_a_proj.weight": ((1536, 7168), F8),
     "model.layers.0.self_attn.q_a_proj.weight_scale_inv": ((12, 56), F32),
-    "model.layers.0.self_attn.q_a_layernorm.weight": ((1536,), BF16),
+    "model.layers.0.self_attn.q_a_layernorm.weight": ((1536,), F32),
     "model.layers.0.self_attn.q_b_proj.weight": ((24576, 1536), F8),
     "model.layers.0.self_attn.q_b_proj.weight_scale_inv": ((192, 12), F32),
     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": ((576, 7168), F8),
     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv": ((5, 56), F32),
-    "model.layers.0.self_attn.kv_a_layernorm.weight": ((512,), BF16),
+    "model.layers.0.self_attn.kv_a_layernorm.weight": ((512,), F32),
     "model.layers.0.self_attn.kv_b_proj.weight": ((32768, 512), F8),
     "model.layers.0.self_attn.kv_b_proj.weight_scale_inv": ((256, 4), F32),
     "model.layers.0.self_attn.o_proj.weight": ((7168, 16384), F8),
@@ -41,6 +41,8 @@ REAL = {
     "model.layers.0.self_attn.indexer.wq_b.weight": ((8192, 1536), F8),
     "model.layers.0.self_attn.indexer.wq_b.weight_scale_inv": ((64, 12), F32),
     "model.layers.0.self_attn.indexer.wk.weight": ((128, 7168), F8),
+    "model.layers.0.self_attn.indexer.k_norm.weight": ((128,), F32),
+    "model.layers.0.self_attn.indexer.k_norm.bias": ((128,), F32),
     "model.layers.0.self_attn.indexer.weights_proj.weight": ((64, 7168), BF16),
     "model.layers.0.mlp.gate_proj.weight": ((18432, 7168), F8),
     "model.layers.0.mlp.down_proj.weight": ((7168, 18432), F8),
@@ -51,7 +53,7 @@ REAL = {
     "model.layers.3.mlp.experts.255.down_proj.weight": ((7168, 2048), F8),
     "model.layers.3.mlp.experts.255.down_proj.weight_scale_inv": ((56, 16), F32),
     "model.layers.60.mlp.shared_experts.up_proj.weight": ((2048, 7168), F8),
-    "model.norm.weight": ((7168,), BF16),
+    "model.norm.weight": ((7168,), F32),
     "lm_head.weight": ((129280, 7168), BF16),
 }
 
@@ -79,7 +81,7 @@ def test_every_671b_tensor_has_the_name_shape_and_dtype_the_loader_expects(real_
     for name, spec in REAL.items():
         assert made[name] == spec, name
     model = build_model(truncate_layers(real_args, 6), gate_bias=real_source.has_gate_bias)
-    want = {to_hf(name): (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+    want = {to_hf(name): (tuple(p.shape), stored_dtype(name, p.dtype)) for name, p in model.named_parameters()}
     assert validate(model, real_source)  # the loader's own check
     for name, spec in made.items():
         layer = layer_of(name)
