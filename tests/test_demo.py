@@ -120,6 +120,8 @@ def test_fp8_weights_and_ue8m0_scales():
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.indexer.weights_proj.weight"):
         assert specs[name].dtype == torch.bfloat16
     assert specs["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    norms = [n for n in specs if n.endswith(("layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias"))]
+    assert len(norms) == 6 * source.args.n_layers + 1 and all(specs[n].dtype == torch.float32 for n in norms)
     bias = source.load("model.layers.1.mlp.gate.e_score_correction_bias")
     assert bias.abs().max() > 0  # moved by the balancing rule during training
 
