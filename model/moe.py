@@ -140,9 +140,13 @@ class MoE(nn.Module):
                 out[a:b] = expert(rows[a:b]) * scale[a:b]
         # regroup by token, each token's experts in ascending order, and add in that order
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
-        contrib = out[by_token].view(n, k, self.dim)  # (N, k, D)
-        y = torch.zeros_like(x, dtype=torch.float32)
-        for j in range(k):
+        return self.add_slots(out[by_token].view(n, k, self.dim))  # (N, k, D) -> (N, D)
+
+    def add_slots(self, contrib: torch.Tensor) -> torch.Tensor:
+        """Each token's k weighted expert outputs (N, k, D), best-numbered expert first, added in
+        that order into float32 zeros, as the reference's loop over experts adds them."""
+        y = torch.zeros_like(contrib[:, 0])
+        for j in range(contrib.shape[1]):
             y += contrib[:, j]
         return y
 

@@ -26,8 +26,9 @@ What is split, as the reference's ``inference/model.py`` (world size W, rank r):
 Reductions differ from the reference in one respect, on purpose, so that an N-rank trace is the
 one-process trace: each rank's partial product is kept in float32 (the input is cast to float32,
 which is exact) rather than rounded to bfloat16 before the float32 all-reduce, and the routed
-and shared parts of the MoE are reduced separately (the routed sum at its hook point, the shared
-expert inside its row-parallel ``w2``) and added as one process adds them. The reference instead
+and shared parts of the MoE are reduced separately (each token's expert outputs gathered before
+they are added, :class:`ExpertParallelMoE`; the shared expert inside its row-parallel ``w2``) and
+added as one process adds them. The reference instead
 rounds partials to bfloat16 and reduces routed + shared partials at once: an N-GPU reference run
 differs from its 1-GPU run by bfloat16 noise; here only by float32 summation order, which moves a
 bfloat16 value by one unit in rare elements.
@@ -59,7 +60,6 @@ from torch import nn
 
 from . import fp8
 from .checkpoint import WeightSource, build_model
-from .hooks import HookPoint
 from .linear import Linear
 from .moe import MLP, MoE
 from .names import to_hf
@@ -137,16 +137,17 @@ class VocabParallelEmbedding(Embedding):
         return y.to(self.weight.dtype)
 
 
-class ReducedHookPoint(HookPoint):
-    """A hook point on a value each rank holds part of (the routed experts' sum): reduced first,
-    so hooks see, and may replace, the whole value."""
+class ExpertParallelMoE(MoE):
+    """Routed experts split over ranks. Each rank fills the (token, slot) outputs of the experts it
+    holds and leaves the others zero; one all-reduce of those slots (each non-zero on one rank
+    only, so the sum is exact) gives every rank all of them, which are then added in the
+    one-process order: the routed sum is bitwise the one-process sum, on every rank."""
 
     group: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float() if x.dtype != torch.float32 else x
-        dist.all_reduce(y, group=self.group)
-        return y.to(x.dtype)
+    def add_slots(self, contrib: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(contrib, group=self.group)
+        return super().add_slots(contrib)
 
 
 def _swap(module: nn.Module, cls: type, **attrs: Any) -> None:
@@ -265,7 +266,7 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
             for j in range(len(moe.experts)):
                 if j not in plan.experts:
                     moe.experts[j] = None
-            _swap(moe.routed_out, ReducedHookPoint, group=group)
+            _swap(moe, ExpertParallelMoE, group=group)
             if f"layers.{i}.ffn.shared_experts.w2.weight" in plan.parts:
                 _swap(moe.shared_experts.w2, RowParallelLinear, group=group)
         elif f"layers.{i}.ffn.w2.weight" in plan.parts:
@@ -361,10 +362,10 @@ __all__ = [
     "RANK_LOCAL",
     "ColumnParallelHead",
     "Distributed",
+    "ExpertParallelMoE",
     "ParallelError",
     "ParallelPlan",
     "Part",
-    "ReducedHookPoint",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "gather_site",
