@@ -102,6 +102,9 @@ def _patch_file(tmp_path, tensors):
         "unknown patch site",
         "bad record pattern",
         "prompt without tokenizer",
+        "prefill of none",
+        "prefill past the tokens",
+        "prefill with a patch",
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_no_output(capsys, tiny_checkpoint, checkpoint_with_tokenizer, tmp_path, case):
@@ -137,6 +140,21 @@ def test_bad_input_exits_2_with_one_line_and_no_output(capsys, tiny_checkpoint, 
             "matches no trace site",
         ),
         "prompt without tokenizer": (["--checkpoint", str(tiny_checkpoint), "--prompt", "hi"], "has no tokenizer.json"),
+        "prefill of none": (["--checkpoint", ckpt, "--token-ids", "1,2,3", "--prefill", "0"], "--prefill 0: must be between"),
+        "prefill past the tokens": (["--checkpoint", ckpt, "--token-ids", "1,2,3", "--prefill", "4"], "between 1 and 3"),
+        "prefill with a patch": (
+            [
+                "--checkpoint",
+                ckpt,
+                "--token-ids",
+                "1,2,3",
+                "--prefill",
+                "2",
+                "--patch",
+                _patch_file(tmp_path, {"layers.1.resid_pre": torch.zeros(3, 256)}),
+            ],
+            "cannot be combined with --prefill",
+        ),
     }[case]
     code, _, err = run(capsys, "run", *argv, "--out", str(out), "--csv", str(tmp_path / "csv"))
     assert code == 2
@@ -180,6 +198,11 @@ def test_streaming_gives_the_same_trace_file(capsys, tiny_checkpoint, tmp_path):
     assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(whole)]) == 0
     assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(streamed), "--stream"]) == 0
     assert whole.read_bytes() == streamed.read_bytes()
+    decoded, streamed = tmp_path / "decoded.safetensors", tmp_path / "decoded-streamed.safetensors"
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--prefill", "5"]
+    assert main([*argv, "--out", str(decoded)]) == 0 and main([*argv, "--out", str(streamed), "--stream"]) == 0
+    assert decoded.read_bytes() == streamed.read_bytes()  # each decode step streams every block again
+    assert Trace.load(decoded).extra["prefill"] == 5
 
 
 def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_path):

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model import TINY
+from model.ops import topk
 from tracing.runner import trace_tokens
 from tracing.sites import LOGIT_LENS, estimate_bytes, select, site_shape, site_shapes
 from tracing.tables import csv_safe, export, tables, to_csv_bytes
@@ -226,3 +227,53 @@ def test_csv_neutralises_formulas_and_keeps_numbers(tmp_path, trace):
     written = export(risky, tmp_path / "csv", parquet=True)
     assert (tmp_path / "csv" / "router.csv").read_text(encoding="utf-8").startswith("layer,position,token,expert,group,score")
     assert (tmp_path / "csv" / "router.parquet") in written
+
+
+@pytest.mark.parametrize("n", [1, 9, len(IDS) - 1])
+def test_prefill_then_decode_fills_the_sites_of_one_prefill(tiny_model, trace, n):
+    """--prefill n: positions n.. run one at a time through the decode path; the trace has the
+    sites, shapes and dtypes of one prefill, the prefill's rows as a prefill of n gives them, and
+    each decode row as the model's own decode step gives it."""
+    decoded = trace_tokens(tiny_model, IDS, prompt="p", record=RECORD, prefill=n)
+    assert decoded.extra["prefill"] == n
+    assert set(decoded.tensors) == set(trace.tensors)
+    for name, value in trace.tensors.items():
+        assert (decoded[name].shape, decoded[name].dtype) == (value.shape, value.dtype), name
+    head = trace_tokens(tiny_model, IDS[:n], record=RECORD)
+    for name, value in head.tensors.items():
+        if name != "logits.last" and value.dim() and value.shape[0] == n:  # key and top-k columns: the first n
+            assert torch.equal(decoded[name][tuple(slice(0, size) for size in value.shape)], value), name
+    T, K = len(IDS), TINY.index_topk
+    for i in range(TINY.n_layers):
+        scores = decoded[f"layers.{i}.attn.indexer.scores"]
+        visible = torch.ones(T, T, dtype=torch.bool).tril()
+        assert torch.isfinite(scores[visible]).all() and torch.isneginf(scores[~visible]).all()
+        selected = decoded[f"layers.{i}.attn.indexer.topk_indices"]
+        assert selected.shape == (T, K)
+        for t in range(n, T):
+            row = selected[t]
+            assert row[row >= 0].tolist() == topk(scores[t, : t + 1], min(K, t + 1))[1].tolist()  # ties: lower key first
+            assert (row[min(K, t + 1) :] == -1).all()
+    with torch.inference_mode():
+        cache = tiny_model.new_cache()
+        tiny_model(torch.tensor([IDS[:n]]), cache=cache)
+        for pos in range(n, T):
+            logits = tiny_model(torch.tensor([IDS[pos : pos + 1]]), start_pos=pos, cache=cache)
+    assert torch.equal(decoded["logits.last"], logits[0])
+
+
+def test_decode_path_agrees_with_the_prefill_in_float32(tiny_source):
+    """The MHA prefill and the absorbed MQA decode are the same function; in float32 they agree to
+    float32 rounding (in bfloat16 each rounds its own intermediate products)."""
+    from model.checkpoint import load_model
+
+    model = load_model(tiny_source, dtype=torch.float32)
+    full = trace_tokens(model, IDS)
+    decoded = trace_tokens(model, IDS, prefill=4)
+    for name, value in full.tensors.items():
+        if name.endswith("topk_indices"):
+            assert torch.equal(decoded[name], value), name
+        elif value.is_floating_point():
+            finite = torch.isfinite(value)
+            assert torch.equal(finite, torch.isfinite(decoded[name])), name
+            assert torch.allclose(decoded[name][finite], value[finite], rtol=1e-4, atol=1e-5), name

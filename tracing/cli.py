@@ -91,6 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         device=loaded.device,
         context=loaded.context(),
         plan=loaded.plan,
+        prefill=args.prefill,
     )
     progress.close()
     if rank0:
@@ -210,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
     run.add_argument(
         "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
+    )
+    run.add_argument(
+        "--prefill",
+        type=int,
+        metavar="N",
+        help="run the first N positions as one prefill and each later one alone through the decode path "
+        "(absorbed attention over the cached latents, as a generation does); default: one prefill of all",
     )
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")

@@ -42,8 +42,14 @@ def trace_tokens(
     device: torch.device | str | None = None,
     context: AbstractContextManager | None = None,
     plan=None,
+    prefill: int | None = None,
 ) -> Trace:
-    """Run ``ids`` through ``model`` once, recording the chosen sites (default: DESIGN.md's table).
+    """Run ``ids`` through ``model``, recording the chosen sites (default: DESIGN.md's table).
+
+    ``prefill``: the first ``prefill`` positions run as one prefill, each later one alone through
+    the decode path (absorbed MQA attention over the cached latents, the indexer over the cached
+    FP8 keys), as a generation feeds its tokens back; the trace has the sites and shapes of one
+    prefill of every position. Default: one prefill of all.
 
     ``token_strings`` (a tokenizer's) names the prompt's tokens and the predicted ones the tables
     show (logit lens, next token), so a trace file reads without the tokenizer. ``context`` is
@@ -51,16 +57,27 @@ def trace_tokens(
     ``plan`` is the tensor-parallel plan when the model is split over ranks.
     """
     check_token_ids(ids, model, max_tokens)
+    n_prefill = len(ids) if prefill is None else prefill
+    if not 1 <= n_prefill <= len(ids):
+        raise InputError(f"--prefill {n_prefill}: must be between 1 and {len(ids)}, the number of tokens")
+    if patches and n_prefill < len(ids):
+        raise InputError("--patch applies to one prefill of every position: it cannot be combined with --prefill")
     if device is None:
         device = model.embed.weight.device
         device = torch.device("cpu") if device.type == "meta" else device
     with torch.inference_mode():
         batch = torch.tensor([ids], dtype=torch.long, device=device)
         with Tracer(model, record, patches, on_block, interventions, plan) as tracer, context or nullcontext():
-            model(batch)
-        values = tracer.values
+            cache = model.new_cache()
+            model(batch[:, :n_prefill], cache=cache)
+            for pos in range(n_prefill, len(ids)):  # the decode path, one position at a time
+                tracer.next_pass(pos)
+                model(batch[:, pos : pos + 1], start_pos=pos, cache=cache)
+        values = tracer.merged(len(ids))
     values["tokens"] = torch.tensor(ids, dtype=torch.int64)
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
+    if n_prefill < len(ids):
+        info["prefill"] = n_prefill  # positions n_prefill.. ran through the decode path
     if patches:
         info["patched"] = sorted(patches)
     config = model.args

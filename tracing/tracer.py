@@ -20,7 +20,7 @@ from model.config import ModelArgs
 
 from .errors import InputError
 from .interventions import NEEDS, Intervention, Replace
-from .sites import LOGIT_LENS_TOPK, hook_points, select
+from .sites import LOGIT_LENS_TOPK, hook_points, select, site_shapes
 
 # derived site suffix -> the hook point whose value it is computed from
 _DERIVED_FROM = {
@@ -61,6 +61,8 @@ class Tracer:
         self.interventions = list(interventions)
         self.on_block = on_block
         self.values: dict[str, torch.Tensor] = {}
+        self._steps: list[dict[str, torch.Tensor]] = []  # earlier passes' values (decode steps)
+        self._start_pos = 0  # position of this pass's first token
         self._seen: dict[str, torch.Tensor] = {}  # this pass's values that later hooks read
         self._handles: list = []
         self._thread: int | None = None
@@ -81,6 +83,36 @@ class Tracer:
 
     def __exit__(self, *exc) -> None:
         self._remove()
+
+    # several passes: a prefill, then decode steps ----------------------------------------------
+    def next_pass(self, start_pos: int) -> None:
+        """Keep the values recorded so far as one pass; the next pass starts at ``start_pos``."""
+        self._steps.append(self.values)
+        self.values = {}
+        self._start_pos = start_pos
+
+    def merged(self, n_positions: int) -> dict[str, torch.Tensor]:
+        """Every pass's values as one prefill of all ``n_positions`` would record them: rows
+        concatenated; key columns (S) padded to all positions with -inf (scores) or 0
+        (probabilities), selection columns (K) with -1; a last-position value from the last pass."""
+        steps = [*self._steps, self.values]
+        if len(steps) == 1:
+            return self.values
+        legends = site_shapes(self.args)
+        out = {}
+        for name in steps[0]:
+            axes = [a for a in legends[name][0].split() if a != "B"]
+            parts = [step[name] for step in steps]
+            if axes[0] not in ("T", "N"):  # logits.last: the last position's
+                out[name] = parts[-1]
+                continue
+            for axis, fill in (("S", 0.0 if name.endswith(("probs", "probs_mean")) else float("-inf")), ("K", -1)):
+                if axis in axes:
+                    dim = axes.index(axis)
+                    width = n_positions if axis == "S" else max(p.shape[dim] for p in parts)
+                    parts = [_pad(p, dim, width, fill) for p in parts]
+            out[name] = torch.cat(parts, dim=0)
+        return out
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -166,7 +198,7 @@ class Tracer:
                 new = replace(value, self._seen)
                 value = value if new is None else new
             if value is not output and name.endswith("topk_indices"):
-                _check_indices(name, value, self.args)
+                _check_indices(name, value, self.args, self._start_pos)
             if keep:
                 self._seen[name] = value
             whole = value
@@ -228,12 +260,21 @@ def _as_batched(patch: torch.Tensor, output: torch.Tensor, name: str) -> torch.T
     return value.to(output.dtype)
 
 
-def _check_indices(name: str, value: torch.Tensor, args: ModelArgs) -> None:
+def _pad(value: torch.Tensor, dim: int, width: int, fill: float) -> torch.Tensor:
+    missing = width - value.shape[dim]
+    if missing <= 0:
+        return value
+    shape = list(value.shape)
+    shape[dim] = missing
+    return torch.cat([value, value.new_full(shape, fill)], dim=dim)
+
+
+def _check_indices(name: str, value: torch.Tensor, args: ModelArgs, start_pos: int = 0) -> None:
     """Forced selections must name real experts, or key positions (-1 for none)."""
     if ".ffn.gate." in name:
         low, high, what = 0, args.n_routed_experts, "experts"
-    else:  # keys of a prefill: positions 0..T-1; those after the query are dropped by the causal mask
-        low, high, what = -1, value.shape[-2], "key positions (or -1)"
+    else:  # keys 0..start_pos+T-1; those after the query are dropped by the causal mask
+        low, high, what = -1, start_pos + value.shape[-2], "key positions (or -1)"
     if value.numel() and (int(value.min()) < low or int(value.max()) >= high):
         raise InputError(f"{name}: forced values must be {what} in {low}..{high - 1}")
 
