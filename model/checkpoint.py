@@ -99,7 +99,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class SafetensorsSource(WeightSource):
-    """A sharded Hugging Face checkpoint directory, read lazily through memory maps."""
+    """A Hugging Face checkpoint directory, read lazily through memory maps: shards listed in
+    model.safetensors.index.json, or one model.safetensors without an index."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -109,9 +110,9 @@ class SafetensorsSource(WeightSource):
             self.args = ModelArgs.from_file(self.directory / "config.json")
         except ConfigError as exc:
             raise CheckpointError(str(exc)) from None
-        self.weight_map = self._read_index()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, object] = {}  # before the index: a single-file checkpoint is opened to list its tensors
         self._specs: dict[str, TensorSpec] | None = None
+        self.weight_map = self._read_index()
 
     def _read_index(self) -> dict[str, str]:
         index = self.directory / INDEX

@@ -70,6 +70,9 @@ class ModelArgs:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        wrong = _wrong_types(self)
+        if wrong:  # the range checks below would fail on them with a TypeError
+            raise ConfigError("; ".join(wrong))
         problems = []
         if self.q_lora_rank <= 0:
             problems.append("q_lora_rank must be positive (the indexer reads the query latent)")
@@ -89,9 +92,22 @@ class ModelArgs:
             problems.append(f"dtype must be fp8 or bf16, not {self.dtype!r}")
         if self.scale_fmt not in (None, "ue8m0"):
             problems.append(f"scale_fmt must be ue8m0 or absent, not {self.scale_fmt!r}")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "index_topk", "index_n_heads"):
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive")
+                problems.append(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("n_dense_layers", "n_shared_experts", "n_mtp_layers"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be 0 or more, not {getattr(self, name)}")
+        # NaN compares false with everything, so each bound is written to fail on it
+        if not (_finite(self.norm_eps) and self.norm_eps > 0):
+            problems.append(f"norm_eps must be a positive finite number, not {self.norm_eps}")
+        if not (_finite(self.rope_theta) and self.rope_theta > 1):
+            problems.append(f"rope_theta must be a finite number above 1 (YaRN divides by its log), not {self.rope_theta}")
+        if not (_finite(self.rope_factor) and self.rope_factor > 0):
+            problems.append(f"rope_factor must be a positive finite number, not {self.rope_factor}")
+        for name in ("route_scale", "mscale"):
+            if not _finite(getattr(self, name)):
+                problems.append(f"{name} must be a finite number, not {getattr(self, name)}")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -136,34 +152,44 @@ class ModelArgs:
     @classmethod
     def from_reference(cls, data: dict[str, Any]) -> ModelArgs:
         """The reference's own JSON (``inference/config_671B_v3.2.json``)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a JSON object, not {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         args = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known}
         if "max_batch_size" in extra:
             extra.pop("max_batch_size")
-        return _build(cls, args, extra, "reference config")
+        return _build(cls, args, extra)
 
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> ModelArgs:
-        """A Hugging Face ``config.json`` of model_type ``deepseek_v32``."""
+        """A Hugging Face ``config.json`` of model_type ``deepseek_v32``.
+
+        Messages do not name the file: :meth:`from_file` prefixes its path once."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a JSON object, not {type(data).__name__}")
         model_type = data.get("model_type")
         if model_type not in ("deepseek_v32", "deepseek_v3"):
             raise ConfigError(f"model_type is {model_type!r}, expected 'deepseek_v32'")
 
         def need(key: str) -> Any:
             if key not in data:
-                raise ConfigError(f"config.json: missing field {key!r}")
+                raise ConfigError(f"missing field {key!r}")
             return data[key]
 
         quant = data.get("quantization_config") or {}
+        if not isinstance(quant, dict):
+            raise ConfigError(f"quantization_config must be an object, not {quant!r}")
         if quant:
             if quant.get("quant_method", "fp8") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-                raise ConfigError(f"config.json: unsupported quantization_config {quant}")
+                raise ConfigError(f"unsupported quantization_config {quant}")
             block = quant.get("weight_block_size", [128, 128])
-            if list(block) != [128, 128]:
-                raise ConfigError(f"config.json: weight_block_size {block}, expected [128, 128]")
+            if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
+                raise ConfigError(f"weight_block_size {block}, expected [128, 128]")
         rope = data.get("rope_scaling") or {}
-        max_pos = int(need("max_position_embeddings"))
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_scaling must be an object or null, not {rope!r}")
+        max_pos = need("max_position_embeddings")
         args: dict[str, Any] = dict(
             vocab_size=need("vocab_size"),
             dim=need("hidden_size"),
@@ -198,11 +224,11 @@ class ModelArgs:
             eos_token_id=data.get("eos_token_id"),
         )
         if data.get("norm_topk_prob") is False and args["score_func"] == "sigmoid":
-            raise ConfigError("config.json: norm_topk_prob false is not supported with sigmoid routing")
+            raise ConfigError("norm_topk_prob false is not supported with sigmoid routing")
         if rope:
             kind = rope.get("type", rope.get("rope_type"))
             if kind != "yarn":
-                raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (yarn only)")
+                raise ConfigError(f"rope_scaling type {kind!r} is not supported (yarn only)")
             args.update(
                 original_seq_len=rope.get("original_max_position_embeddings", 4096),
                 rope_factor=rope.get("factor", 1.0),
@@ -212,13 +238,13 @@ class ModelArgs:
             )
         else:  # plain RoPE: make the YaRN condition false
             args.update(original_seq_len=max_pos, rope_factor=1.0)
-        return _build(cls, args, {"hf": data}, "config.json")
+        return _build(cls, args, {"hf": data})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelArgs:
         """Either form, told apart by ``model_type`` (only the Hugging Face form has one)."""
         if not isinstance(data, dict):
-            raise ConfigError("a config must be a JSON object")
+            raise ConfigError(f"a config must be a JSON object, not {type(data).__name__}")
         return cls.from_hf(data) if "model_type" in data else cls.from_reference(data)
 
     @classmethod
@@ -312,23 +338,72 @@ class ModelArgs:
         return out
 
 
-def _build(cls: type[ModelArgs], args: dict[str, Any], extra: dict[str, Any], where: str) -> ModelArgs:
+def _build(cls: type[ModelArgs], args: dict[str, Any], extra: dict[str, Any]) -> ModelArgs:
+    """JSON writes integers as 16384.0 at times: those become ints, everything else is checked by
+    ``__post_init__``."""
     types = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, value in args.items():
-        kind = types[key]
-        if value is None:
-            continue
-        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-            if isinstance(value, float) and value.is_integer():
-                args[key] = int(value)
-            else:
-                raise ConfigError(f"{where}: {key} must be an integer, not {value!r}")
-        if kind == "float" and not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: {key} must be a number, not {value!r}")
+        if types[key] == "int" and isinstance(value, float) and value.is_integer():
+            args[key] = int(value)
+    return cls(**args, extra=extra)
+
+
+# sizes the model divides by or builds tensors of: zero or below is no model
+_POSITIVE = (
+    "vocab_size",
+    "dim",
+    "inter_dim",
+    "moe_inter_dim",
+    "n_layers",
+    "n_heads",
+    "n_routed_experts",
+    "n_activated_experts",
+    "n_expert_groups",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "max_seq_len",
+    "original_seq_len",
+    "beta_fast",
+    "beta_slow",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+)
+
+
+def _finite(value: float) -> bool:
+    """math.isfinite, but an integer too large for a float (JSON allows 400 digits) is not finite."""
     try:
-        return cls(**args, extra=extra)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _wrong_types(args: ModelArgs) -> list[str]:
+    """A JSON string or list where a number belongs, or a number where a name belongs.
+    bos/eos ids are not checked: some Hugging Face configs give a list of ids."""
+    wrong = []
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if f.type == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            kind = "an integer"
+        elif f.type == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            kind = "a number"
+        elif f.type in ("str", "str | None"):
+            ok = isinstance(value, str) or (value is None and f.type == "str | None")
+            kind = "a string"
+        elif f.type == "bool | None":
+            ok = value is None or isinstance(value, bool)
+            kind = "true, false or null"
+        else:
+            continue
+        if not ok:
+            wrong.append(f"{f.name} must be {kind}, not {value!r}")
+    return wrong
 
 
 # A tiny configuration for tests: every mechanism active (query LoRA, YaRN, grouped sigmoid

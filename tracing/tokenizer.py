@@ -19,6 +19,17 @@ def _token_content(value) -> str | None:
     return value
 
 
+def _check_utf8(text: str) -> None:
+    """Python hands undecodable bytes of argv over as lone surrogates, which the tokenizers
+    library refuses with a TypeError; name the first such byte instead."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = text[exc.start]
+        what = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"character U+{ord(char):04X}"
+        raise TokenizerError(f"the prompt is not valid UTF-8 ({what} at character {exc.start})") from None
+
+
 class Tokenizer:
     """Encode prompts and show tokens; prepends BOS when tokenizer_config.json asks for it."""
 
@@ -49,6 +60,7 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        _check_utf8(text)
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
