@@ -8,8 +8,9 @@ below at 1e-4), or the next power of two when ``scale_fmt`` is ``ue8m0``; values
 block's scale, clamped to +-448 and rounded to e4m3. A block-scaled product multiplies each 128-wide
 partial dot product by both scales, accumulating in float32. When every scale is a power of two
 (``ue8m0`` activations and power-of-two weight scales) the operands are dequantised first, which is
-exact, and multiplied in float32 on the CPU or in bfloat16 on CUDA: the same products, summed in
-another order. Otherwise the blocks are scaled and summed in the kernel's order.
+exact, and multiplied in bfloat16 on CUDA and on CPUs with bf16 units, in float32 on other CPUs
+(:func:`model.ops.product_dtype`): the same products, summed in another order. Otherwise the
+blocks are scaled and summed in the kernel's order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from . import ops
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -157,9 +160,9 @@ def fp8_gemm(
     ``fp8_gemm``.
 
     ``fast``: whether dequantising first is exact (``ue8m0`` activations and power-of-two weight
-    scales); worked out from ``scale`` when not given. ``cpu_weight``: a float32 copy of what the
-    chosen path multiplies (the dequantised weight when fast, the FP8 codes otherwise), kept by the
-    caller because FP8 to float conversion is slow on CPUs.
+    scales); worked out from ``scale`` when not given. ``cpu_weight``: a copy of what the chosen
+    path multiplies (the dequantised weight when fast, in the CPU's product dtype; the FP8 codes in
+    float32 otherwise), kept by the caller because FP8 to float conversion is slow on CPUs.
     """
     r = x if isinstance(x, Rounded) else Rounded.of(x, scale_fmt)
     if fast is None:
@@ -174,8 +177,8 @@ def fp8_gemm(
         # both operands exact in bfloat16: cuBLAS multiplies exactly, accumulates in float32 and
         # rounds once to bfloat16, as the kernel's output
         return torch.matmul(a.to(torch.bfloat16), weight_dequant(weight, scale, torch.bfloat16).t())
-    w = cpu_weight if cpu_weight is not None else weight_dequant(weight, scale)
-    return torch.matmul(a, w.t()).to(r.dtype)
+    w = cpu_weight if cpu_weight is not None else weight_dequant(weight, scale, ops.product_dtype(r.dtype))
+    return torch.matmul(a.to(w.dtype), w.t()).to(r.dtype)  # both exact in bfloat16 too
 
 
 def _blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

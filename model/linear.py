@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8
+from . import fp8, ops
 
 
 class Linear(nn.Module):
@@ -14,10 +14,11 @@ class Linear(nn.Module):
     128x128 block, edge blocks partial) and the input is quantised per 128 values first, as the
     reference's ``fp8_gemm`` does.
 
-    On the CPU the weight is kept in float32 after first use and products are formed in float32
-    (FP8 to float conversion is slow there, and CPUs without bf16 units multiply bfloat16 ~5-100x
-    slower), rounded once to the activation dtype; ``cache_dequantized = False`` turns the copy off
-    (the streamer does, so freed weights are not held).
+    On the CPU, products are formed in :func:`model.ops.product_dtype` of the activations (bfloat16
+    where the CPU has bf16 units, else float32) and rounded once to the activation dtype; FP8
+    weights are kept dequantised in that dtype after first use (FP8 to float conversion is slow on
+    the CPU; e4m3 times a power-of-two scale is exact in both). ``cache_dequantized = False`` turns
+    the copy off (the streamer does, so freed weights are not held).
     """
 
     def __init__(
@@ -39,36 +40,39 @@ class Linear(nn.Module):
             )
         else:
             self.register_parameter("scale", None)
-        self._cached: tuple | None = None  # (weight, scale, float32 copy): see _prepared
+        self._cached: dict[torch.dtype, tuple] = {}  # product dtype -> (weight, scale, copy): see _prepared
         self._fast_at: tuple[int, bool] | None = None  # (scale's data_ptr, fast): see _fast
 
     def forward(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
-        fast, copy = self._prepared()
+        fast, copy = self._prepared(x.dtype)
         if self.scale is not None:  # FP8: x may be rounded already (fp8.Rounded, shared by several products)
             return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, fast, copy)
         if copy is not None:
-            return F.linear(x.float(), copy).to(x.dtype)
+            return F.linear(x.to(copy.dtype), copy).to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype))
 
-    def _prepared(self) -> tuple[bool | None, torch.Tensor | None]:
+    def _prepared(self, dtype: torch.dtype = torch.float32) -> tuple[bool | None, torch.Tensor | None]:
         """Whether the FP8 product may dequantise first (fp8.fp8_gemm's ``fast``; None for 16/32-bit
-        weights), and a float32 copy of what the product multiplies: the dequantised weight when
-        fast, the FP8 codes otherwise, the weight itself for 16/32-bit weights. The copy is made
-        once per weight tensor, on the CPU only and not while the weight is trained or streamed."""
+        weights), and, on the CPU, a copy of what the product of ``dtype`` activations multiplies, in
+        the dtype it is formed in: the dequantised weight when fast, the FP8 codes in float32
+        otherwise (the kernel's block order), the weight itself where it has that dtype. Made once
+        per weight tensor and product dtype; not while the weight is trained or streamed."""
         weight, scale = self.weight, self.scale
         fast = self._fast()
         if not self.cache_dequantized or weight.device.type != "cpu" or weight.requires_grad:
             return fast, None
-        if weight.dtype == torch.float32:
+        compute = torch.float32 if fast is False else ops.product_dtype(dtype)
+        cached = self._cached.get(compute)
+        if cached is not None and cached[0] is weight and cached[1] is scale:
+            return fast, cached[2]
+        if weight.dtype == compute:
             return fast, weight.detach()
-        cached = self._cached
-        if cached is None or cached[0] is not weight or cached[1] is not scale:
-            if scale is None:
-                copy = weight.detach().float()
-            else:
-                copy = fp8.weight_dequant(weight, scale) if fast else fp8.to_float(weight.detach())
-            cached = self._cached = (weight, scale, copy)
-        return fast, cached[2]
+        if scale is None:
+            copy = weight.detach().to(compute)
+        else:
+            copy = fp8.weight_dequant(weight, scale, compute) if fast else fp8.to_float(weight.detach())
+        self._cached[compute] = (weight, scale, copy)
+        return fast, copy
 
     def _fast(self) -> bool | None:
         """fp8.dequantise_first_is_exact for this weight's scales, worked out once per scale tensor.
@@ -83,18 +87,18 @@ class Linear(nn.Module):
         return known[1]
 
     def share_copy(self, copy: torch.Tensor) -> None:
-        """Hold ``copy`` (equal to this Linear's own float32 copy, e.g. a view into the stack of a
-        MoE block's experts) in place of the copy; nothing is copied."""
-        cached = self._cached
-        if cached is None or not torch.equal(cached[2], copy):
-            raise ValueError("share_copy: not this Linear's float32 copy")
-        self._cached = (*cached[:2], copy)
+        """Hold ``copy`` (equal to this Linear's own copy of its dtype, e.g. a view into the stack of
+        a MoE block's experts) in place of the copy; nothing is copied."""
+        _, own = self._prepared(copy.dtype)
+        if own is None or own.dtype != copy.dtype or not torch.equal(own, copy):
+            raise ValueError("share_copy: not this Linear's copy")
+        self._cached[copy.dtype] = (self.weight, self.scale, copy)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""
         if self.scale is None:
             return self.weight.to(dtype)
-        fast, copy = self._prepared()
+        fast, copy = self._prepared(dtype)
         return copy.to(dtype) if fast and copy is not None else fp8.weight_dequant(self.weight, self.scale, dtype)
 
     def extra_repr(self) -> str:

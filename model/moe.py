@@ -131,7 +131,7 @@ class MoE(nn.Module):
         # FP8 products round their input per row: round each token once, not once per product
         rows = (fp8.Rounded.of(x, self.scale_fmt) if self.fp8 else x)[tokens]  # (N * k, D), grouped by expert
         scale = weights.flatten()[order, None]
-        stacks = self._stacked_weights() if len(spans) > 1 else None
+        stacks = self._stacked_weights(x.dtype) if len(spans) > 1 else None
         if stacks is not None:  # every expert's product at once: the same per-slice products
             out = self._grouped(rows, stacks, torch.tensor(ends, dtype=torch.int32), x.dtype) * scale
         else:
@@ -154,30 +154,32 @@ class MoE(nn.Module):
         """Expert.forward for all experts in two grouped products (rows sorted by expert, ``ends``
         the cumulative row counts), rounding as each expert's own products would: w1 and w3 as one
         product of twice the width (each output is its own dot product: the same values)."""
-        w13, w2 = stacks  # (E, 2 inter, D), (E, D, inter) float32
+        w13, w2 = stacks  # (E, 2 inter, D), (E, D, inter) in the product dtype
         inter = w2.shape[-1]
-        a = rows.values() if isinstance(rows, fp8.Rounded) else rows.float()  # (N k, D)
-        both = _grouped_mm(a, w13.transpose(1, 2), offs=ends)  # (N k, 2 inter): w1 x, w3 x
+        a = rows.values() if isinstance(rows, fp8.Rounded) else rows  # (N k, D)
+        both = _grouped_mm(a.to(w13.dtype), w13.transpose(1, 2), offs=ends)  # (N k, 2 inter): w1 x, w3 x
         gate, up = both[:, :inter].to(dtype), both[:, inter:].to(dtype)
         hidden = (F.silu(gate.float()) * up.float()).to(dtype)
-        h = fp8.Rounded.of(hidden, self.scale_fmt).values() if isinstance(rows, fp8.Rounded) else hidden.float()
-        return _grouped_mm(h, w2.transpose(1, 2), offs=ends).to(dtype)  # (N k, D)
+        h = fp8.Rounded.of(hidden, self.scale_fmt).values() if isinstance(rows, fp8.Rounded) else hidden
+        return _grouped_mm(h.to(w2.dtype), w2.transpose(1, 2), offs=ends).to(dtype)  # (N k, D)
 
-    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The experts' float32 weight copies as two stacks, [w1; w3] (E, 2 inter, D) and w2 (E, D,
-        inter), which the experts' own Linears then share (views, no second copy). None where
-        products run one expert at a time: no grouped product in this torch, experts held elsewhere
-        (expert parallelism), no copies (GPU, streaming, training), float32 weights (stacking would
-        copy them), or FP8 scales that need the kernel's block order."""
+    def _stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts' weight copies for ``dtype`` activations (Linear._prepared) as two stacks,
+        [w1; w3] (E, 2 inter, D) and w2 (E, D, inter), which the experts' own Linears then share
+        (views, no second copy). None where products run one expert at a time: no grouped product
+        in this torch, experts held elsewhere (expert parallelism), no copies (GPU, streaming,
+        training), float32 weights (stacking would copy them), or FP8 scales that need the
+        kernel's block order."""
         if _grouped_mm is None or any(e is None for e in self.experts):
             return None
         linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # expert by expert
-        plans = [lin._prepared() for lin in linears]
+        plans = [lin._prepared(dtype) for lin in linears]
         if any(copy is None or fast is False for fast, copy in plans):
             return None
         if linears[0].weight.dtype == torch.float32:  # the copies are the weights: a stack would be a second
             return None
-        cached = self.__dict__.get("_stacks")
+        stacks = self.__dict__.setdefault("_stacks", {})
+        cached = stacks.get(plans[0][1].dtype)
         if cached is not None and all(
             copy.data_ptr() == view.data_ptr() for (_, copy), view in zip(plans, cached[1], strict=True)
         ):
@@ -189,5 +191,5 @@ class MoE(nn.Module):
         views = [v for e in range(len(self.experts)) for v in (w13[e, :inter], w13[e, inter:], w2[e])]
         for lin, view in zip(linears, views, strict=True):
             lin.share_copy(view)
-        self.__dict__["_stacks"] = ((w13, w2), views)
+        stacks[w13.dtype] = ((w13, w2), views)
         return w13, w2

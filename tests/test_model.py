@@ -8,6 +8,7 @@ import torch
 from model import TINY
 from model.checkpoint import load_model
 from model.linear import Linear
+from model.ops import cpu_route
 from model.synthetic import SyntheticSource
 
 
@@ -230,9 +231,10 @@ def test_decode_without_passing_a_cache_continues_this_threads_prefill(tiny_fp32
     torch.testing.assert_close(step, full[:, 20], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weights_form", ["fp8", "bf16", "float32", "fp8 amax/448 scales"])
-def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form):
+def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form, native):
     """The sorted dispatch (inputs rounded to FP8 once per block, all experts in grouped products
     where the products allow) equals the reference's loop: for each expert in ascending order,
     y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
@@ -249,7 +251,7 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
         for lin in (m for m in moe.modules() if isinstance(m, Linear)):
             lin.weight = torch.nn.Parameter(lin.weight.float(), requires_grad=False)
     x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
-    with torch.inference_mode():
+    with torch.inference_mode(), cpu_route(native):
         weights, indices = moe.gate(x)
         routed = moe.route(x, weights, indices)
         loop = torch.zeros_like(x, dtype=torch.float32)
@@ -258,17 +260,18 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
             if len(rows):
                 h = (F.silu(e.w1(x[rows]).float()) * e.w3(x[rows]).float()).type_as(x)
                 loop.index_add_(0, rows, e.w2(h) * weights[rows, slot, None])
-    assert torch.equal(routed, loop)
-    # grouped products wherever dequantising first is exact (one CPU copy of each weight, shared)
-    stacks = moe._stacked_weights()
-    assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
-    if stacks is not None:
-        assert moe.experts[3].w2._prepared()[1].data_ptr() == stacks[1][3].data_ptr()
-        assert moe.experts[3].w3._prepared()[1].data_ptr() == stacks[0][3, TINY.moe_inter_dim :].data_ptr()
+        assert torch.equal(routed, loop)
+        # grouped products wherever dequantising first is exact (one CPU copy of each weight, shared)
+        stacks = moe._stacked_weights(dtype)
+        assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
+        if stacks is not None:
+            assert moe.experts[3].w2._prepared(dtype)[1].data_ptr() == stacks[1][3].data_ptr()
+            assert moe.experts[3].w3._prepared(dtype)[1].data_ptr() == stacks[0][3, TINY.moe_inter_dim :].data_ptr()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
 @pytest.mark.parametrize("weights", ["fp8", "fp8 amax/448 scales"])
-def test_no_float32_copies_changes_nothing(weights, tokens):
+def test_no_float32_copies_changes_nothing(weights, tokens, native):
     """The path GPUs and the streamer take (no float32 weight copies kept: FP8 weights dequantised
     at each product, the MQA decode's absorbed weight made on the fly) gives the same prefill and
     decode, bit for bit."""
@@ -276,7 +279,7 @@ def test_no_float32_copies_changes_nothing(weights, tokens):
     model = load_model(SyntheticSource(args, seed=2))
 
     def run() -> list[torch.Tensor]:
-        with torch.inference_mode():
+        with torch.inference_mode(), cpu_route(native):
             cache = model.new_cache()
             out = [model(tokens[:, :20], cache=cache, all_logits=True)]
             out += [model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache) for pos in (20, 21)]
