@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from model import TINY
 from model.ops import topk
 from tracing.runner import trace_tokens
-from tracing.sites import LOGIT_LENS, estimate_bytes, select, site_shape, site_shapes
+from tracing.sites import LOGIT_LENS, estimate_bytes, index_range, select, site_shape, site_shapes
 from tracing.tables import csv_safe, export, tables, to_csv_bytes
 from tracing.trace import Trace, TraceError
 from tracing.tracer import Tracer
@@ -187,7 +187,7 @@ def test_any_trace_survives_the_file_round_trip(n, words, prompt, chosen, seed):
         legend, dtype = shapes[name]
         shape = site_shape(TINY, name, legend, n)
         if dtype == torch.int64:
-            tensors[name] = torch.randint(-1, 8, shape, generator=gen)
+            tensors[name] = torch.randint(*index_range(TINY, name, n), shape, generator=gen)
         else:
             tensors[name] = torch.randn(shape, generator=gen)
     original = Trace(tensors, TINY, words[:n], prompt, {"note": words[0]})

@@ -52,33 +52,65 @@ def hook_points(model: torch.nn.Module) -> dict[str, HookPoint]:
     return {name: m for name, m in model.named_modules() if isinstance(m, HookPoint)}
 
 
-@lru_cache(maxsize=16)
-def _site_shapes_cached(args: ModelArgs, with_bias: bool) -> dict[str, tuple[str, torch.dtype]]:
-    from model.checkpoint import build_model
+Site = tuple[str, torch.dtype]  # (shape legend, recorded dtype)
+_LAYER_SITE = re.compile(r"layers\.(0|[1-9][0-9]{0,8})\.(.+)")  # canonical block indices only: one name per site
 
-    # every dense block has the same hook points, and so has every MoE block: a model cut after
-    # its first MoE block names them all (building the 671B model on meta takes seconds)
-    small = args.replace(n_layers=min(args.n_layers, args.n_dense_layers + 1))
-    template: dict[int, list[tuple[str, str, torch.dtype]]] = {}
-    out: dict[str, tuple[str, torch.dtype]] = {}
-    for name, point in hook_points(build_model(small, gate_bias=with_bias)).items():
+
+@lru_cache(maxsize=1)
+def _templates() -> tuple[dict[str, Site], dict[str, Site], dict[str, Site]]:
+    """(model-level sites, a dense block's, a MoE block's). A block's hook points depend on its kind
+    only, never on a size: a two-block model of the tiny config names them all, so reading the sites
+    of a config costs the same for 3 blocks of 16 experts as for 2 million blocks of 262,144."""
+    from model.checkpoint import build_model
+    from model.config import TINY
+
+    top: dict[str, Site] = {}
+    blocks: dict[int, dict[str, Site]] = {0: {}, 1: {}}
+    for name, point in hook_points(build_model(TINY.replace(n_layers=2, n_dense_layers=1), gate_bias=True)).items():
         dtype = torch.int64 if name.endswith(("topk_indices", ".groups")) else torch.float32
-        m = re.match(r"layers\.(\d+)\.(.*)", name)
+        m = _LAYER_SITE.fullmatch(name)
         if m is None:
-            out[name] = (point.shape, dtype)
+            top[name] = (point.shape, dtype)
         else:
-            template.setdefault(int(m.group(1)), []).append((m.group(2), point.shape, dtype))
+            blocks[int(m.group(1))][m.group(2)] = (point.shape, dtype)
+    for block in blocks.values():
+        block.update({suffix: (legend, dtype) for suffix, (legend, dtype, _) in DERIVED.items()})
+    return top, blocks[0], blocks[1]
+
+
+def layer_site(name: str) -> tuple[int, str] | None:
+    """(block index, suffix) of a block's site name, or None for a model-level (or no) site."""
+    m = _LAYER_SITE.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def site_legend(args: ModelArgs, name: str) -> Site | None:
+    """A site's (shape legend, dtype) in a model of this config, or None when it has no such site;
+    from the name alone, so checking a file's sites costs nothing per block of the config."""
+    top, dense, moe = _templates()
+    where = layer_site(name)
+    if where is None:
+        return None if name.startswith("layers.") else top.get(name)
+    i, suffix = where
+    if i >= args.n_layers:
+        return None
+    return (dense if i < args.n_dense_layers else moe).get(suffix)
+
+
+@lru_cache(maxsize=16)
+def _site_shapes_cached(args: ModelArgs) -> dict[str, Site]:
+    top, dense, moe = _templates()
+    out = dict(top)
     for i in range(args.n_layers):
-        for suffix, legend, dtype in template[min(i, small.n_layers - 1)]:
-            out[f"layers.{i}.{suffix}"] = (legend, dtype)
-        for suffix, (legend, dtype, _) in DERIVED.items():
-            out[f"layers.{i}.{suffix}"] = (legend, dtype)
+        for suffix, site in (dense if i < args.n_dense_layers else moe).items():
+            out[f"layers.{i}.{suffix}"] = site
     return out
 
 
-def site_shapes(args: ModelArgs) -> dict[str, tuple[str, torch.dtype]]:
-    """Every site name of a model of this config -> (shape legend, recorded dtype)."""
-    return _site_shapes_cached(args, True)
+def site_shapes(args: ModelArgs) -> dict[str, Site]:
+    """Every site name of a model of this config -> (shape legend, recorded dtype). One entry per
+    site of every block: for a model that exists; a file's sites are checked with :func:`site_legend`."""
+    return _site_shapes_cached(args)
 
 
 def dims(args: ModelArgs, name: str, n_tokens: int) -> dict[str, int]:
@@ -107,14 +139,31 @@ def site_shape(args: ModelArgs, name: str, legend: str, n_tokens: int) -> tuple[
     return tuple(sizes[letter] for letter in legend.split() if letter != "B")
 
 
+def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | None:
+    """The values an integer site may hold, ``low <= v < high``, or None for a float site: key
+    positions (-1 where fewer keys are visible than are selected), experts, groups, token ids."""
+    if name.endswith("attn.indexer.topk_indices"):
+        return -1, n_tokens
+    if name.endswith("ffn.gate.topk_indices"):
+        return 0, args.n_routed_experts
+    if name.endswith("ffn.gate.groups"):
+        return 0, args.n_expert_groups
+    if name.endswith("logit_lens.topk_indices"):
+        return 0, args.vocab_size
+    return None
+
+
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:
     """Site names matching glob patterns (``*`` crosses dots); 'default' and 'all' are shorthands.
 
-    Raises InputError for a pattern that matches nothing, so typos do not silently record nothing.
+    Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
+    record nothing; the default patterns need not match (a model without a MoE block has no gate).
+    ``tokens``, the prompt's ids, is a site of every trace and always recorded: it is accepted and
+    not listed.
     """
     names = list(site_shapes(args))
-    if patterns is None or patterns == "default":
-        patterns = DEFAULT_PATTERNS
+    if patterns is None:
+        patterns = "default"
     if isinstance(patterns, str):
         patterns = [p.strip() for p in patterns.split(",") if p.strip()]
     chosen: list[str] = []
@@ -125,7 +174,7 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             matched = names
         else:
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-            if not matched:
+            if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.extend(m for m in matched if m not in chosen)
     return sorted(chosen, key=site_order)

@@ -21,10 +21,16 @@ from safetensors.torch import save as save_bytes
 
 from model.config import ConfigError, ModelArgs
 
-from .sites import site_shape, site_shapes
+from .sites import index_range, layer_site, site_legend, site_shape
 
 FORMAT = "deepseek-v32-trace"
 VERSION = "1"
+
+# A file's config sets loop bounds and table widths that its tensors need not show (a trace may
+# hold one block's sites, or the gate's choices without its scores): bounded far above any
+# DeepSeek model (61 blocks, 256 experts), so a small file cannot claim work without end.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 4096
 
 
 class TraceError(ValueError):
@@ -56,12 +62,9 @@ class Trace:
         return name in self.tensors
 
     def layers_with(self, suffix: str) -> list[int]:
-        """Block indices that have a site ``layers.{i}.{suffix}``, in order."""
-        out = []
-        for i in range(self.config.n_layers):
-            if f"layers.{i}.{suffix}" in self.tensors:
-                out.append(i)
-        return out
+        """Block indices that have a site ``layers.{i}.{suffix}``, in order: from the tensors held,
+        not the config's block count."""
+        return sorted(where[0] for name in self.tensors if (where := layer_site(name)) and where[1] == suffix)
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -80,8 +83,11 @@ class Trace:
         return _canonical(save_bytes(tensors, metadata=self.metadata()))
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write atomically: a temporary file beside the target, renamed when complete."""
-        return write_atomic(path, self.to_bytes())
+        """Write atomically (tracing.output): a failure leaves no partial file, and a symlink, FIFO
+        or device at ``path`` is refused rather than replaced."""
+        from .output import write_file
+
+        return write_file(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
@@ -117,10 +123,16 @@ class Trace:
         if meta.get("version") != VERSION:
             raise TraceError(f"version {meta.get('version')!r} is not supported (this reads version {VERSION})")
         try:
-            config = ModelArgs.from_reference(json.loads(meta["config"]))
+            data = json.loads(meta["config"])
             tokens = json.loads(meta["tokens"])
             extra = json.loads(meta.get("extra", "{}"))
-        except (KeyError, ValueError, TypeError, ConfigError) as exc:
+        except (KeyError, ValueError, TypeError) as exc:
+            raise TraceError(f"bad metadata ({exc})") from None
+        except RecursionError:
+            raise TraceError("bad metadata (JSON nested too deeply)") from None
+        try:
+            config = ModelArgs.from_reference(data)
+        except (ValueError, TypeError, ConfigError) as exc:
             raise TraceError(f"bad metadata ({exc})") from None
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
             raise TraceError("metadata 'tokens' is not a list of strings")
@@ -129,25 +141,50 @@ class Trace:
         return trace
 
     def validate(self) -> None:
-        """Every tensor is a known site with the shape and dtype this config and prompt imply."""
+        """Every tensor is a known site with the shape, dtype and values this config and prompt
+        imply, so that every reader may index with them. Checked tensor by tensor from the names the
+        file holds: the cost follows the file's size, never the sizes its config claims."""
+        _check_limits(self.config)
         ids = self.tensors.get("tokens")
         if ids is None or ids.dim() != 1 or ids.dtype != torch.int64:
             raise TraceError("tensor 'tokens' must be int64 [T]")
         if len(ids) != len(self.tokens) or len(ids) == 0:
             raise TraceError(f"{len(ids)} token ids but {len(self.tokens)} token strings")
-        shapes = site_shapes(self.config)
+        _check_values("tokens", ids, 0, self.config.vocab_size)
         n = len(ids)
         for name, tensor in self.tensors.items():
             if name == "tokens":
                 continue
-            if name not in shapes:
-                raise TraceError(f"tensor {name!r} is not a trace site of this model")
-            legend, dtype = shapes[name]
+            site = site_legend(self.config, name)
+            if site is None:
+                where = layer_site(name)
+                blocks = f" (it has {self.config.n_layers} blocks)" if where and where[0] >= self.config.n_layers else ""
+                raise TraceError(f"tensor {name!r} is not a trace site of this model{blocks}")
+            legend, dtype = site
             want = site_shape(self.config, name, legend, n)
             if tuple(tensor.shape) != want:
                 raise TraceError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(want)}")
             if tensor.dtype != dtype:
                 raise TraceError(f"tensor {name!r} has dtype {tensor.dtype}, expected {dtype}")
+            if (bounds := index_range(self.config, name, n)) is not None:
+                _check_values(name, tensor, *bounds)
+        vocab = self.extra.get("vocab", {})
+        if not isinstance(vocab, dict) or not all(isinstance(v, str) for v in vocab.values()):
+            raise TraceError("metadata 'extra': 'vocab' is not a map of token ids to strings")
+
+
+def _check_limits(config: ModelArgs) -> None:
+    """No more blocks or experts than any model this code traces (ModelArgs checks the rest)."""
+    for name, limit in (("n_layers", MAX_LAYERS), ("n_routed_experts", MAX_EXPERTS)):
+        if getattr(config, name) > limit:
+            raise TraceError(f"config: {name} is {getattr(config, name)}, more than {limit}: not a model this code traces")
+
+
+def _check_values(name: str, tensor: torch.Tensor, low: int, high: int) -> None:
+    """Indices within their axis, so every reader may index with them."""
+    bad = tensor[(tensor < low) | (tensor >= high)]
+    if bad.numel():
+        raise TraceError(f"tensor {name!r} holds {int(bad[0])}, outside {low}..{high - 1}")
 
 
 def _canonical(data: bytes) -> bytes:
@@ -158,17 +195,3 @@ def _canonical(data: bytes) -> bytes:
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + data[8 + n :]
-
-
-def write_atomic(path: str | os.PathLike, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
