@@ -1,7 +1,8 @@
 """python -m tracing {run, export, info, eval, diff}: the command line of DESIGN.md.
 
 Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
-leaves no partial output file behind (outputs are written to a temporary name, then renamed).
+leaves no partial output file behind (outputs are written to a temporary name, then renamed); so
+does an output that cannot be written (tracing.output).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
 from model.config import ConfigError, ModelArgs
+from model.ops import describe_cpu_route
 from model.params import count_params
 
 from .errors import InputError
@@ -47,9 +49,13 @@ def _load_patches(path: str) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .output import Outputs, check_directory, check_file
     from .runner import trace_tokens
-    from .tables import export
+    from .tables import stage_tables, tables
 
+    check_file(args.out)  # before the run, which may take long; checked again when writing
+    if args.csv:
+        check_directory(args.csv)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
     stream = True if args.stream else None  # None: stream when the model does not fit in memory
@@ -94,10 +100,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         prefill=args.prefill,
     )
     progress.close()
+    if rank0 and (bad := trace.extra.get("nonfinite")):
+        at = "" if bad["position"] is None else f" at position {bad['position']}"
+        print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
     if rank0:
-        trace.save(args.out)
-        if args.csv:
-            export(trace, args.csv, parquet=args.parquet)
+        with Outputs() as out:  # the trace and its tables land together or not at all
+            out.file(args.out, trace.to_bytes())
+            if args.csv:
+                stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
     return 0
 
 
@@ -124,9 +134,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     a, b = Trace.load(args.a), Trace.load(args.b)
     tables = diff_tables(a, b)
+    line = json.dumps(summary(a, b, tables))
     if args.csv:
         write_tables(tables, args.csv)
-    print(json.dumps(summary(a, b, tables)))
+    print(line)
     return 0
 
 
@@ -155,6 +166,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         index_topk=config.index_topk,
         dtype=config.dtype,
         config=config.to_reference(),
+        cpu_products=describe_cpu_route(),
     )
     if args.tensors:
         specs = expected_specs(config, gate_bias)
@@ -192,6 +204,12 @@ def _leave_process_group() -> None:
             dist.destroy_process_group()
 
 
+_REUSED = (
+    " (a reused directory loses the table files of an earlier run, tokens.csv, router.parquet and the like, "
+    "that this one does not write; other files stay)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tracing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,8 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     inp = run.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
     inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    run.add_argument("--out", required=True, help="trace file to write (.safetensors)")
-    run.add_argument("--csv", help="also write every table as CSV into this directory")
+    run.add_argument(
+        "--out", required=True, help="trace file to write (.safetensors); replaces a regular file, refuses anything else"
+    )
+    run.add_argument("--csv", help=f"also write every table as CSV into this directory{_REUSED}")
     run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     run.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
@@ -230,12 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     dif = sub.add_parser("diff", help="compare two traces of one prompt: stream drift, changed experts and keys, predictions")
     dif.add_argument("a", help="first trace (the baseline)")
     dif.add_argument("b", help="second trace")
-    dif.add_argument("--csv", help="write the comparison tables as CSV into this directory")
+    dif.add_argument("--csv", help=f"write the comparison tables as CSV into this directory{_REUSED}")
     dif.set_defaults(func=cmd_diff)
 
     exp = sub.add_parser("export", help="write a trace's tables as CSV (and Parquet)")
     exp.add_argument("trace", help="trace file")
-    exp.add_argument("--csv", required=True, help="output directory")
+    exp.add_argument("--csv", required=True, help=f"output directory{_REUSED}")
     exp.add_argument("--parquet", action="store_true", help="Parquet files too")
     exp.set_defaults(func=cmd_export)
 

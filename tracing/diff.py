@@ -114,14 +114,26 @@ def diff_tables(a: Trace, b: Trace) -> dict[str, pd.DataFrame]:
     return {name: frame for name, frame in out.items() if not frame.empty}
 
 
+def _figure(value: float, digits: int | None = None) -> float | None:
+    """A number for JSON, None where it is undefined (NaN) or unbounded: json.dumps would write
+    NaN or Infinity, which JSON does not have."""
+    value = float(value)
+    if not np.isfinite(value):
+        return None
+    return round(value, digits) if digits is not None else value
+
+
 def summary(a: Trace, b: Trace, tables: dict[str, pd.DataFrame] | None = None) -> dict:
-    """One JSON-able line: where the runs first differ and by how much, per block."""
+    """One JSON-able line: where the runs first differ and by how much, per block. A figure that
+    is undefined (from NaN values) is None, so the line stays valid JSON."""
     tables = tables if tables is not None else diff_tables(a, b)
     out: dict = {"tokens": a.n_tokens}
     stream = tables.get("stream")
     if stream is not None:
-        per = stream.groupby("layer")["rel_l2"].max()
-        out["max_rel_l2_per_layer"] = [round(float(v), 6) for v in per.values]
+        by_layer = stream.groupby("layer")["rel_l2"]
+        per = by_layer.max()
+        undefined = by_layer.apply(lambda v: bool(v.isna().any()))  # a NaN drift leaves the maximum unknown
+        out["max_rel_l2_per_layer"] = [None if u else _figure(v, 6) for v, u in zip(per.values, undefined.values, strict=True)]
         moved = per[per > 0]
         out["first_layer_changed"] = int(moved.index[0]) if len(moved) else None
     for name in ("experts", "indexer_keys"):
@@ -130,6 +142,6 @@ def summary(a: Trace, b: Trace, tables: dict[str, pd.DataFrame] | None = None) -
             out[f"{name}_changed"] = int(frame.changed.sum())
     if "next_token" in tables:
         pa, pb = a["logits.last"].double().log_softmax(-1), b["logits.last"].double().log_softmax(-1)
-        out["next_token_kl"] = float((pa.exp() * (pa - pb)).sum())
+        out["next_token_kl"] = _figure((pa.exp() * (pa - pb)).sum())
         out["next_token_a"], out["next_token_b"] = int(pa.argmax()), int(pb.argmax())
     return out

@@ -7,14 +7,13 @@ trace holds the sites it needs.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from .output import Outputs
 from .trace import Trace
 
 # OWASP CSV injection: cells starting with these are formulas to a spreadsheet
@@ -267,28 +266,34 @@ def to_csv_bytes(frame: pd.DataFrame) -> bytes:
     return csv_safe(frame).to_csv(index=False, lineterminator="\r\n").encode("utf-8")
 
 
+# the names of every table this project writes: the trace's and those of ``diff``
+# (tracing.diff.diff_tables); a reused output directory loses the files of these names it does not rewrite
+DIFF_TABLES = ("stream", "experts", "indexer_keys", "predictions", "next_token")
+TABLE_FILES = frozenset(f"{name}.{ext}" for name in (*BUILDERS, *DIFF_TABLES) for ext in ("csv", "parquet"))
+
+
 def export(trace: Trace, directory: str | os.PathLike, parquet: bool = False) -> list[Path]:
     """Write every table of a trace as CSV (and Parquet) into ``directory``."""
     return write_tables(tables(trace), directory, parquet)
 
 
 def write_tables(frames: dict[str, pd.DataFrame], directory: str | os.PathLike, parquet: bool = False) -> list[Path]:
-    """Write tables as ``name.csv`` (and ``name.parquet``), atomically: into a temporary directory
-    beside the target, moved into place when all are written."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    """Write tables as ``name.csv`` (and ``name.parquet``), atomically (tracing.output)."""
+    with Outputs() as out:
+        return stage_tables(out, frames, directory, parquet)
+
+
+def stage_tables(
+    out: Outputs, frames: dict[str, pd.DataFrame], directory: str | os.PathLike, parquet: bool = False
+) -> list[Path]:
+    """Stage tables into ``directory`` as part of ``out``, so they land together with its other
+    outputs. An existing directory afterwards holds only these tables' files of the names this
+    project writes (TABLE_FILES): a previous run's others would read as this run's."""
+    staged = out.directory(directory, stale=TABLE_FILES)
     written = []
-    try:
-        for name, frame in frames.items():
-            (tmp / f"{name}.csv").write_bytes(to_csv_bytes(frame))
-            written.append(directory / f"{name}.csv")
-            if parquet:
-                frame.to_parquet(tmp / f"{name}.parquet", index=False)
-                written.append(directory / f"{name}.parquet")
-        directory.mkdir(exist_ok=True)
-        for item in tmp.iterdir():
-            os.replace(item, directory / item.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for name, frame in frames.items():
+        data = to_csv_bytes(frame)
+        written.append(staged.write(f"{name}.csv", lambda path, data=data: path.write_bytes(data)))
+        if parquet:
+            written.append(staged.write(f"{name}.parquet", lambda path, frame=frame: frame.to_parquet(path, index=False)))
     return written
