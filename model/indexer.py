@@ -72,8 +72,9 @@ class Indexer(nn.Module):
             index_score += mask
         index_score = self.scores(index_score)
         topk_indices = topk(index_score, min(self.index_topk, end_pos))[1]  # (B, T, K)
-        # top-k of a row with fewer than K visible keys also returns masked ones: mark them -1
-        topk_indices = topk_indices.masked_fill(index_score.gather(-1, topk_indices) == float("-inf"), -1)
+        # top-k of a row with fewer than K visible keys also returns masked ones: mark them -1 (and
+        # keys whose score is NaN, which sorts first: a future key must never be listed)
+        topk_indices = topk_indices.masked_fill(~(index_score.gather(-1, topk_indices) > float("-inf")), -1)
         return self.topk_indices(topk_indices)
 
 

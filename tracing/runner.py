@@ -12,6 +12,7 @@ from model.transformer import Transformer
 
 from .errors import InputError
 from .interventions import Intervention
+from .nonfinite import first_nonfinite
 from .trace import Trace
 from .tracer import Tracer
 
@@ -78,6 +79,8 @@ def trace_tokens(
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
     if n_prefill < len(ids):
         info["prefill"] = n_prefill  # positions n_prefill.. ran through the decode path
+    if (bad := first_nonfinite(values, model.args, len(ids))) is not None:
+        info["nonfinite"] = bad.as_dict()
     if patches:
         info["patched"] = sorted(patches)
     config = model.args

@@ -127,9 +127,11 @@ class Tracer:
 
     def _register(self) -> None:
         points = hook_points(self.model)
-        for name in self.patches:
+        for name, value in self.patches.items():
             if name not in points:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise InputError(f"patch {name!r} holds NaN or infinite values")
             if self.plan is not None and name.endswith(("attn.scores", "attn.probs")) and self.plan.world > 1:
                 raise InputError(f"patch {name!r}: per-head attention values cannot be patched under tensor parallelism")
         replacers: dict[str, list[Replace]] = {}
