@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:  # `streamlit run app/main.py` puts app/ on the pa
 
 import streamlit as st  # noqa: E402
 
-from app import sidebar, state  # noqa: E402
+from app import sidebar, state, widgets  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
 # (file in app/views, title, icon); the first is the default page. A new page is a module in
@@ -51,8 +51,8 @@ def main() -> None:
     pages = [st.Page(VIEWS / file, title=title, icon=icon, default=i == 0) for i, (file, title, icon) in enumerate(PAGES)]
     page = st.navigation(pages)
     notices = st.container()
-    sidebar.render(notices)
-    page.run()
+    widgets.guarded(lambda: sidebar.render(notices), "The sidebar")
+    widgets.guarded(page.run, f"The page {page.title}")
 
 
 main()

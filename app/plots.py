@@ -601,7 +601,8 @@ def router_scores(r: Routing, labels: list[str], per_group: int, biased: bool = 
         )
     q, ex = np.nonzero(r.selected)
     weights = r.weight[q, ex]
-    biggest = max(float(weights.max()) if len(weights) else 1.0, 1e-9)
+    finite = weights[np.isfinite(weights)]  # a trace file may hold NaN or negative weights: plotly refuses such sizes
+    biggest = max(float(np.abs(finite).max()) if len(finite) else 1.0, 1e-9)
     traces.append(
         {
             "type": "scatter",
@@ -612,7 +613,7 @@ def router_scores(r: Routing, labels: list[str], per_group: int, biased: bool = 
             "marker": {
                 "symbol": "circle-open",
                 "color": COLORS["marker"],
-                "size": 5 + 10 * weights / biggest,
+                "size": 5 + 10 * np.nan_to_num(np.clip(weights / biggest, 0, 1), nan=0.0),
                 "line": {"width": 2},
             },
             "customdata": weights,

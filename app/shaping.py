@@ -15,6 +15,8 @@ import pandas as pd
 
 from model.config import ModelArgs
 from model.params import block_components, count_params
+from tracing import nonfinite
+from tracing.nonfinite import NonFinite
 from tracing.tables import logit_lens_table, next_token_table
 from tracing.trace import Trace
 
@@ -302,6 +304,11 @@ def query_profile(trace: Trace, block: int, query: int) -> pd.DataFrame | None:
     if probs is not None:
         out["attention"] = probs[query, keys]
     return out
+
+
+# --- health ----------------------------------------------------------------------------------------------
+def first_nonfinite(trace: Trace) -> NonFinite | None:
+    return nonfinite.first_nonfinite(trace.tensors, trace.config, trace.n_tokens)
 
 
 # --- the router -------------------------------------------------------------------------------------------

@@ -3,11 +3,13 @@ session shows; messages (errors, progress) go to the ``notices`` container at th
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import streamlit as st
 
-from app import state
+from app import shaping, state
 from app.widgets import escape_md
 
 SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "upload": "Trace file"}
@@ -61,6 +63,7 @@ def render(notices) -> None:
             if om is not None:
                 _trace(om, run, notices)
         _ensure_current(om, notices)
+        _nonfinite_notice(notices)
         _block_selector()
 
 
@@ -72,7 +75,8 @@ def _model_source(source: str, notices):
             "Checkpoint directory",
             key="ckpt_dir",
             placeholder="/data/DeepSeek-V3.2-Exp",
-            help="A Hugging Face layout directory: config.json, model.safetensors.index.json and shards, tokenizer.json",
+            help="A Hugging Face layout directory: config.json, model.safetensors.index.json and shards, tokenizer.json"
+            + _roots_help(),
         )
     )
     if source == "dir" and not value.strip():
@@ -92,11 +96,19 @@ def _model_source(source: str, notices):
     return om
 
 
+def _roots_help() -> str:
+    """Where this server looks for checkpoints, when its operator restricted it (ANATOMY_CHECKPOINT_ROOTS)."""
+    named = [part.strip() for part in os.environ.get(state.ENV_CHECKPOINT_ROOTS, "").split(os.pathsep) if part.strip()]
+    return ". This server opens checkpoints only under: " + ", ".join(escape_md(p) for p in named) if named else ""
+
+
 def _upload_source(notices) -> None:
+    server_mb = st.get_option("server.maxUploadSize")
     upload = st.file_uploader(
         "Trace file",
         type=["safetensors"],
         key="upload",
+        max_upload_size=max(1, min(server_mb, math.ceil(state.max_upload_bytes() / 2**20))),
         help="A trace written by `python -m tracing run ... --out trace.safetensors` or downloaded from the Export page.",
     )
     if upload is None:
@@ -163,6 +175,23 @@ def _ensure_current(om: state.OpenModel | None, notices) -> None:
         except state.BAD_INPUT:
             pass
     st.session_state["trace_key"] = None
+
+
+def _nonfinite_notice(notices) -> None:
+    """Say where a trace's NaN or infinities begin: the pages still draw it, with gaps and odd colours
+    from there on, and the first bad site is where to look for the cause."""
+    entry = state.current_entry()
+    if entry is None:
+        return
+    bad = entry.memo("nonfinite", lambda: shaping.first_nonfinite(entry.trace))
+    if bad is None:
+        return
+    at = "" if bad.position is None else f" at position {bad.position}"
+    notices.warning(
+        f"**This trace holds non-finite values** (NaN or infinity), first in `{bad.site}`{at}: "
+        "the plots from there on show gaps or extreme colours.",
+        icon=":material/warning:",
+    )
 
 
 def _block_selector() -> None:

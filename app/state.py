@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
+import math
 import os
 import threading
 import time
@@ -40,6 +42,12 @@ ENV_CHECKPOINT = "ANATOMY_CHECKPOINT"  # the default checkpoint: 'demo' (assets/
 ENV_MAX_TOKENS = "ANATOMY_MAX_TOKENS"  # the longest prompt the app traces
 ENV_DEVICE = "ANATOMY_DEVICE"  # cpu | cuda (default: cuda when available)
 ENV_THREADS = "ANATOMY_THREADS"  # torch CPU threads (default: 1 for small models, torch's default otherwise)
+# os.pathsep-separated directories the "Checkpoint directory" field may name ('demo' names the bundled
+# one); unset: any directory, as suits one person on their own machine
+ENV_CHECKPOINT_ROOTS = "ANATOMY_CHECKPOINT_ROOTS"
+ENV_MAX_UPLOAD_MB = "ANATOMY_MAX_UPLOAD_MB"  # the largest trace file the app reads (default: server.maxUploadSize)
+# the one answer under ANATOMY_CHECKPOINT_ROOTS: it must not tell what exists on the server or what a file holds
+NOT_ALLOWED = "not a loadable checkpoint under the allowed roots (the server log says why)"
 SMALL_MODEL_BYTES = 512 * 2**20  # below this, one CPU thread is fastest: the products are tiny
 MAX_TOKENS = 512
 # longer than the demo's index_topk, so the sparse attention visibly prunes (90 tokens on the demo)
@@ -60,11 +68,38 @@ PER_HEAD_PROBS = "layers.*.attn.probs"
 PER_HEAD_PROBS_BUDGET = 64 * 2**20  # bytes of per-head attention probabilities worth keeping
 BAD_INPUT = (CheckpointError, ConfigError, InputError, TraceError, TokenizerError)
 DTYPES = ("bfloat16", "float32")
+log = logging.getLogger(__name__)
 
 
 # --- settings ------------------------------------------------------------------------------------------
 def default_checkpoint() -> str:
     return os.environ.get(ENV_CHECKPOINT, "").strip() or "demo"
+
+
+def checkpoint_roots() -> list[Path] | None:
+    """The directories checkpoints may come from, symlinks resolved, or None: no restriction. The
+    bundled demo and the operator's default checkpoint are always among them."""
+    raw = os.environ.get(ENV_CHECKPOINT_ROOTS, "")
+    if not raw.strip():
+        return None
+    named = [part.strip() for part in raw.split(os.pathsep) if part.strip()]
+    roots = []
+    for value in (*named, "demo", default_checkpoint()):
+        root = resolve_checkpoint(value)
+        roots += [Path(os.path.abspath(root)), root.resolve()]
+    return list(dict.fromkeys(roots))
+
+
+def max_upload_bytes() -> int:
+    """The largest trace file the app reads: ANATOMY_MAX_UPLOAD_MB, or the server's own limit."""
+    server = float(st.get_option("server.maxUploadSize"))  # megabytes, as Streamlit counts them: MiB
+    try:
+        megabytes = float(os.environ.get(ENV_MAX_UPLOAD_MB, "").strip() or server)
+    except ValueError:
+        megabytes = server
+    if not math.isfinite(megabytes) or megabytes <= 0:
+        megabytes = server
+    return int(megabytes * 2**20)
 
 
 def max_tokens() -> int:
@@ -113,12 +148,15 @@ def check_checkpoint(value: str) -> Path:
     value = value.strip()
     if not value:
         raise CheckpointError("enter the path of a checkpoint directory")
-    path = resolve_checkpoint(value)
     if value == "demo" and not (DEMO / "config.json").is_file():
         raise CheckpointError(
             "the bundled demo checkpoint is not in assets/demo yet (scripts/train_demo.py makes it): "
             "choose a checkpoint directory or upload a trace file"
         )
+    roots = checkpoint_roots()
+    if roots is not None:
+        return _check_allowed(value, roots)
+    path = resolve_checkpoint(value)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
     if not path.is_dir():
@@ -129,6 +167,30 @@ def check_checkpoint(value: str) -> Path:
             "model.safetensors.index.json with its shards, and tokenizer.json"
         )
     return path
+
+
+def _check_allowed(value: str, roots: list[Path]) -> Path:
+    """The real directory ``value`` names when it lies under one of ``roots`` and holds a config.json.
+    A path outside them is refused before anything there is looked at beyond resolving its symlinks,
+    and every refusal reads the same, so the field cannot be used to explore the server."""
+    path = resolve_checkpoint(value)
+    lexical = Path(os.path.abspath(path))  # '..' folded without touching the disk
+    if not any(lexical.is_relative_to(root) for root in roots):
+        log.warning("checkpoint %r refused: outside %s", value, ENV_CHECKPOINT_ROOTS)
+        raise CheckpointError(NOT_ALLOWED)
+    try:
+        real = path.resolve(strict=True)  # a symlink loop, a NUL byte, no permission: refused alike
+        if not any(real.is_relative_to(root) for root in roots):
+            log.warning("checkpoint %r refused: it resolves to %s, outside %s", value, real, ENV_CHECKPOINT_ROOTS)
+            raise CheckpointError(NOT_ALLOWED)
+        if not (real / "config.json").is_file():
+            log.warning("checkpoint %r refused: %s holds no config.json", value, real)
+            raise CheckpointError(NOT_ALLOWED)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if not isinstance(exc, CheckpointError):
+            log.warning("checkpoint %r refused: %s", value, exc)
+        raise CheckpointError(NOT_ALLOWED) from None
+    return real
 
 
 def _check_size(source: SafetensorsSource) -> int:
@@ -193,7 +255,19 @@ def _stamp(path: Path) -> tuple:
 
 def open_model(value: str, dtype: str) -> OpenModel:
     """The model of checkpoint ``value`` ('demo' or a directory), loaded once per process;
-    CheckpointError (or ConfigError, TokenizerError) says why not."""
+    CheckpointError (or ConfigError, TokenizerError) says why not. Under ANATOMY_CHECKPOINT_ROOTS the
+    reason goes to the server log and the user sees NOT_ALLOWED: a reason can quote the files."""
+    if checkpoint_roots() is None:
+        return _open_checked(value, dtype)
+    try:
+        return _open_checked(value, dtype)
+    except (*BAD_INPUT, OSError, RuntimeError, ValueError) as exc:
+        if str(exc) != NOT_ALLOWED:
+            log.warning("checkpoint %r not loaded: %s", value, exc)
+        raise CheckpointError(NOT_ALLOWED) from None
+
+
+def _open_checked(value: str, dtype: str) -> OpenModel:
     path = check_checkpoint(value).resolve()
     key = (str(path), dtype, _stamp(path))
     failures = _failures()
@@ -382,6 +456,12 @@ def session_model() -> OpenModel | None:
 
 def open_upload(data: bytes, name: str) -> Entry:
     """A trace file's bytes, validated (TraceError says why not); no model is needed."""
+    limit = max_upload_bytes()
+    if len(data) > limit:  # the store is shared: one large file would push out everyone's traces
+        raise TraceError(
+            f"{name}: {len(data) / 2**20:.3g} MiB, more than the {limit / 2**20:.3g} MiB this app reads "
+            f"({ENV_MAX_UPLOAD_MB}). Record fewer sites or a shorter prompt (python -m tracing run --record ...)."
+        )
     key = ("upload", hashlib.sha256(data).hexdigest())
     entry = store().get(key)
     if entry is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 
 import pandas as pd
@@ -14,6 +15,21 @@ from . import card_plots, cards, shaping
 from .state import View
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
+log = logging.getLogger(__name__)
+
+
+def guarded(run: Callable[[], None], what: str) -> None:
+    """Run a page (or the sidebar) so that an error nothing foresaw costs one line, not the session: a
+    traceback would show strangers the server's paths and the input's values, and stop the rest of the
+    script. The traceback goes to the server log. Streamlit's own rerun and stop are not Exceptions."""
+    try:
+        run()
+    except Exception:
+        log.exception("%s failed", what)
+        st.error(
+            f"**{what} could not be drawn** for this input: an error the app does not handle. The details are in the server log.",
+            icon=":material/error:",
+        )
 
 
 def csv_button(where, frame: pd.DataFrame, file_name: str, key: str) -> None:
