@@ -75,8 +75,8 @@ def _model_source(source: str, notices):
             "Checkpoint directory",
             key="ckpt_dir",
             placeholder="/data/DeepSeek-V3.2-Exp",
-            help="A Hugging Face layout directory: config.json, model.safetensors.index.json and shards, tokenizer.json"
-            + _roots_help(),
+            help="A Hugging Face layout directory: config.json, model.safetensors.index.json and shards "
+            "(or one model.safetensors), tokenizer.json" + _roots_help(),
         )
     )
     if source == "dir" and not value.strip():

@@ -164,7 +164,7 @@ def check_checkpoint(value: str) -> Path:
     if not (path / "config.json").is_file():
         raise CheckpointError(
             f"{path}: no config.json here; a checkpoint directory holds config.json, "
-            "model.safetensors.index.json with its shards, and tokenizer.json"
+            "model.safetensors.index.json with its shards (or one model.safetensors), and tokenizer.json"
         )
     return path
 
