@@ -242,3 +242,22 @@ def test_the_warning_names_the_first_site_in_the_computation(app, changes, first
     assert "This trace holds non-finite values" in messages(app.warning)
     assert first in messages(app.warning), messages(app.warning)
     assert app.get("plotly_chart")
+
+
+def test_a_crafted_trace_claiming_a_huge_model_is_one_error_line(app):
+    """A 1.5 KB file whose config claims two million blocks: refused at once, the shown trace stays."""
+    import time
+
+    from safetensors.torch import save
+
+    trace = shown_trace(app)
+    metadata = trace.metadata()
+    metadata["config"] = json.dumps({**json.loads(metadata["config"]), "n_layers": 2_000_000})
+    data = save({"tokens": trace["tokens"].contiguous()}, metadata=metadata)
+    before = app.session_state["trace_key"]
+    started = time.perf_counter()
+    upload(app, data, "huge.safetensors")
+    assert time.perf_counter() - started < 10
+    assert not app.exception
+    assert "n_layers" in messages(app.error) and "4096" in messages(app.error)
+    assert app.session_state["trace_key"] == before
