@@ -68,7 +68,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from model import fp8  # noqa: E402
+from model import fp8, ops  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.linear import Linear  # noqa: E402
@@ -194,10 +194,28 @@ def load_peer(directory: Path, dtype: torch.dtype) -> tuple[object | None, dict]
     return model.eval(), info
 
 
-def forward_fn(name: str, model) -> callable:
+def forward_fn(name: str, model, native: bool | None = None) -> callable:
+    """The timed call; ``native`` forces our CPU route for bfloat16 products (None: this CPU's)."""
     if name == "peer":
         return lambda ids: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
-    return lambda ids: model(ids)
+    if native is None:
+        return lambda ids: model(ids)
+
+    def run(ids):
+        with ops.cpu_route(native):
+            return model(ids)
+
+    return run
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def compare(ours: torch.Tensor, peer: torch.Tensor) -> dict:
@@ -384,6 +402,13 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="where the two checkpoints are written/reused")
     parser.add_argument("--no-peer", action="store_true", help="time our model only")
     parser.add_argument(
+        "--routes",
+        nargs="+",
+        choices=["native", "float32"],
+        default=None,
+        help="our CPU routes for bfloat16 products, each timed (default: both where the CPU has bf16 units, else float32)",
+    )
+    parser.add_argument(
         "--prototype", action="store_true", help="also time our model with the recommended changes, monkeypatched here"
     )
     opts = parser.parse_args()
@@ -406,7 +431,9 @@ def main() -> None:
             "torch": torch.__version__,
             "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")},
             "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_name(),
+            "cpu_bf16_units": ops.has_bf16_units(),
+            "cpu_route_default": ops.describe_cpu_route(),
             "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "load_average_start": load_average(),
@@ -436,7 +463,15 @@ def main() -> None:
             result.setdefault("peer", peer_info)
             if peer is not None:
                 models["peer"] = peer
-        fns = {name: forward_fn(name, m) for name, m in models.items()}
+        routes = opts.routes or (["native", "float32"] if ops.has_bf16_units() else ["float32"])
+        if dtype != torch.bfloat16 or len(routes) == 1:  # float32 products take one route
+            only = None if dtype != torch.bfloat16 else routes[0] == "native"
+            fns = {name: forward_fn(name, m, only) for name, m in models.items()}
+        else:  # one instance, both routes: Linear keeps a weight copy per product dtype
+            fns = {}
+            for name, m in models.items():
+                for route in [None] if name == "peer" else routes:
+                    fns[name if route is None else f"{name}@{route}"] = forward_fn(name, m, route == "native")
         warm = inputs[min(inputs)]
         log(f"{dname}: warm-up (T={warm.shape[1]}) of {', '.join(fns)}")
         with torch.inference_mode():
@@ -494,7 +529,7 @@ def main() -> None:
     if verdict:
         result["summary_speedup_vs_peer"] = verdict
         result["target_met_current_model"] = all(
-            v["speedup_vs_peer"] >= 1.0 for k, v in verdict.items() if not k.split()[0].endswith("_proto")
+            v["speedup_vs_peer"] >= 1.0 for k, v in verdict.items() if "_proto" not in k.split()[0]
         )
     result["environment"]["load_average_end"] = load_average()
     result["wall_s"] = round(time.perf_counter() - wall, 1)
