@@ -39,8 +39,9 @@ raises :class:`ParallelError` with ``strict=True``.
 
 Hook points: every default trace site (``resid_*``, indexer, gate, ``logits.last``) and
 ``attn_out``, ``ffn_out``, ``routed_out``, ``shared_out`` see the same value on every rank, the
-one a single process sees. ``attn.scores`` and ``attn.probs`` hold this rank's heads only
-(:data:`RANK_LOCAL`); :func:`gather_site` gathers them (a collective: call it on every rank).
+one a single process sees. ``attn.scores`` and ``attn.probs`` hold this rank's heads only (the
+tracing registry marks them rank-local); :func:`gather_heads` gathers them (a collective: call it on
+every rank).
 
 Under ``torchrun``: :func:`init_distributed` (NCCL on CUDA, gloo on CPU), then
 :func:`load_parallel`; every rank runs the same forward with the same hooks (patches too), rank 0
@@ -65,8 +66,6 @@ from .moe import MLP, MoE
 from .names import to_hf
 from .stream import TensorReader, check_parts
 from .transformer import Embedding, Transformer
-
-RANK_LOCAL = ("attn.scores", "attn.probs")  # hook points that hold this rank's heads (dim 2)
 
 
 class ParallelError(ValueError):
@@ -339,18 +338,11 @@ def init_distributed(device: torch.device | str | None = None) -> Distributed | 
     return Distributed(rank, world, local_rank, dev, dist.group.WORLD)
 
 
-def is_rank_local(name: str, plan: ParallelPlan | None) -> bool:
-    """Whether hook point ``name`` holds only this rank's heads under ``plan``."""
-    if plan is None or plan.world == 1 or not name.endswith(RANK_LOCAL):
-        return False
-    parts = name.split(".")
-    return parts[0] == "layers" and int(parts[1]) in plan.split_attention
-
-
-def gather_site(name: str, value: torch.Tensor, plan: ParallelPlan | None, group: Any = None) -> torch.Tensor:
-    """The whole value of hook point ``name`` (all heads), as one process sees it. A collective for
-    rank-local sites: every rank must call it, in the same order; others are returned as they are."""
-    if not is_rank_local(name, plan):
+def gather_heads(value: torch.Tensor, plan: ParallelPlan | None, block: int, group: Any = None) -> torch.Tensor:
+    """All heads (dim 2) of a per-head value of ``block`` (the tracing registry says which sites are
+    per head), as one process sees it. A collective where the block's heads are split: every rank
+    must call it, in the same order; returned as it is where they are not."""
+    if plan is None or plan.world == 1 or block not in plan.split_attention:
         return value
     value = value.contiguous()
     parts = [torch.empty_like(value) for _ in range(plan.world)]
@@ -359,7 +351,6 @@ def gather_site(name: str, value: torch.Tensor, plan: ParallelPlan | None, group
 
 
 __all__ = [
-    "RANK_LOCAL",
     "ColumnParallelHead",
     "Distributed",
     "ExpertParallelMoE",
@@ -368,9 +359,8 @@ __all__ = [
     "Part",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "gather_site",
+    "gather_heads",
     "init_distributed",
-    "is_rank_local",
     "load_parallel",
     "make_plan",
     "materialize_parallel",

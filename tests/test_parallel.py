@@ -30,8 +30,9 @@ if __name__ == "__main__":
 
 from model import TINY  # noqa: E402
 from model.checkpoint import SafetensorsSource, build_model, load_model, save_checkpoint  # noqa: E402
-from model.parallel import ParallelError, gather_site, init_distributed, make_plan, parallelize  # noqa: E402
+from model.parallel import ParallelError, gather_heads, init_distributed, make_plan, parallelize  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
+from tracing.sites import layer_site, spec  # noqa: E402
 
 DEMO = REPO / "assets" / "demo"
 # TINY's heads are 96 + 32 wide, so 2 heads per rank cut FP8 blocks: TINY splits only its experts
@@ -62,7 +63,9 @@ def record(model, plan, fn, /, *args, **kwargs) -> dict[str, torch.Tensor]:
     for name in default_sites(model):
 
         def hook(module, inputs, output, name=name):
-            value = gather_site(name, output, plan).detach().cpu().clone()
+            if spec(name).rank_local:
+                output = gather_heads(output, plan, layer_site(name)[0])
+            value = output.detach().cpu().clone()
             store[name] = value[0] if module.shape.startswith("B") else value  # gate sites are (N, ...)
 
         handles.append(modules[name].register_forward_hook(hook))

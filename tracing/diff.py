@@ -30,10 +30,10 @@ def stream_diff(a: Trace, b: Trace) -> pd.DataFrame:
     pos, tok = np.arange(a.n_tokens), np.asarray(a.tokens, dtype=object)
     for i in range(a.config.n_layers):
         for site in _STREAM:
-            name = f"layers.{i}.{site}"
-            if name not in a or name not in b:
+            x, y = a.site(i, site), b.site(i, site)
+            if x is None or y is None:
                 continue
-            x, y = a[name].double(), b[name].double()
+            x, y = x.double(), y.double()
             rel = (x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
             cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
             frames.append(
@@ -48,10 +48,10 @@ def _selection_diff(a: Trace, b: Trace, suffix: str, what: str) -> pd.DataFrame:
     frames = []
     tok = np.asarray(a.tokens, dtype=object)
     for i in range(a.config.n_layers):
-        name = f"layers.{i}.{suffix}"
-        if name not in a or name not in b:
+        x, y = a.site(i, suffix), b.site(i, suffix)
+        if x is None or y is None:
             continue
-        sa, sb = _sets(a[name].numpy()), _sets(b[name].numpy())
+        sa, sb = _sets(x.numpy()), _sets(y.numpy())
         frames.append(
             pd.DataFrame(
                 {
@@ -74,10 +74,10 @@ def predictions_diff(a: Trace, b: Trace) -> pd.DataFrame:
     frames = []
     tok = np.asarray(a.tokens, dtype=object)
     for i in range(a.config.n_layers):
-        ids, probs = f"layers.{i}.logit_lens.topk_indices", f"layers.{i}.logit_lens.topk_probs"
-        if ids not in a or ids not in b:
+        ids_a, ids_b = a.site(i, "logit_lens.topk_indices"), b.site(i, "logit_lens.topk_indices")
+        if ids_a is None or ids_b is None:
             continue
-        top_a, top_b = a[ids][:, 0].numpy(), b[ids][:, 0].numpy()
+        top_a, top_b = ids_a[:, 0].numpy(), ids_b[:, 0].numpy()
         frame = {
             "layer": i,
             "position": np.arange(len(top_a)),
@@ -85,8 +85,9 @@ def predictions_diff(a: Trace, b: Trace) -> pd.DataFrame:
             "top1_a": _names(a, top_a),
             "top1_b": _names(b, top_b),
         }
-        if probs in a and probs in b:
-            frame["prob_a"], frame["prob_b"] = a[probs][:, 0].numpy(), b[probs][:, 0].numpy()
+        prob_a, prob_b = a.site(i, "logit_lens.topk_probs"), b.site(i, "logit_lens.topk_probs")
+        if prob_a is not None and prob_b is not None:
+            frame["prob_a"], frame["prob_b"] = prob_a[:, 0].numpy(), prob_b[:, 0].numpy()
         frame["changed"] = top_a != top_b
         frames.append(pd.DataFrame(frame))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -140,11 +140,3 @@ class IndexTopK(Intervention):
 
     def describe(self) -> str:
         return "dense attention" if self.k >= 1 << 30 else f"index_topk={self.k}"
-
-
-# which earlier sites a replacement reads: the Tracer keeps these values of the pass
-NEEDS = {
-    "ffn.gate.biased_scores": ("ffn.gate.scores",),
-    "ffn.gate.group_scores": ("ffn.gate.biased_scores",),
-    "attn.indexer.topk_indices": ("attn.indexer.scores",),
-}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -17,35 +18,141 @@ from model.hooks import HookPoint
 
 from .errors import InputError
 
-# recorded unless the user chooses: everything in DESIGN.md's trace table and the cheap extras
-DEFAULT_PATTERNS = (
-    "layers.*.resid_pre",
-    "layers.*.resid_mid",
-    "layers.*.resid_post",
-    "layers.*.attn.indexer.scores",
-    "layers.*.attn.indexer.topk_indices",
-    "layers.*.attn.indexer.recall",
-    "layers.*.attn.probs_mean",
-    "layers.*.ffn.gate.scores",
-    "layers.*.ffn.gate.biased_scores",
-    "layers.*.ffn.gate.group_scores",
-    "layers.*.ffn.gate.groups",
-    "layers.*.ffn.gate.topk_indices",
-    "layers.*.ffn.gate.topk_weights",
-    "logits.last",
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """One row of the registry: a site pattern and everything the tracer, the interventions, the
+    parallel runner, the app and the docs need to know about it."""
+
+    pattern: str  # "layers.{i}.attn.indexer.scores" or a model-level name ("logits.last")
+    legend: str  # shape letters (see dims); "B" is the batch dimension, dropped when recorded
+    dtype: torch.dtype  # as recorded
+    what: str  # one line for the docs
+    blocks: str = "all"  # "all" blocks, "moe" blocks only, or "model" (not per block)
+    default: bool = False  # recorded unless --record says otherwise
+    derived_from: str | None = None  # computed while tracing from this hook point's value (same block)
+    reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
+    rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
+    patchable: bool = True  # a hook point whose value a patch or an intervention may replace
+
+    @property
+    def suffix(self) -> str:
+        return self.pattern.removeprefix("layers.{i}.")
+
+
+F32, I64 = torch.float32, torch.int64
+# The one registry. Adding a site: a hook point in model/ (an identity module where the value
+# exists) or a derivation in the tracer, plus one row here.
+REGISTRY: tuple[SiteSpec, ...] = (
+    SiteSpec(
+        "layers.{i}.resid_pre",
+        "B T D",
+        F32,
+        ("x_n, the residual stream entering the block: the float32 sum the reference forms inside the next RMSNorm"),
+        default=True,
+    ),
+    SiteSpec("layers.{i}.attn.indexer.head_weights", "B T H", F32, "the indexer's per-head weights `w[t,h]`"),
+    SiteSpec("layers.{i}.attn.indexer.scores", "B T S", F32, "index scores `I[t,s]`, -inf where masked", default=True),
+    SiteSpec(
+        "layers.{i}.attn.indexer.topk_indices",
+        "B T K",
+        I64,
+        (
+            "selected keys, best first, -1 where fewer than K keys are visible; equal scores go to the "
+            "lower position (CUDA's top-k order)"
+        ),
+        default=True,
+        reads=("attn.indexer.scores",),
+    ),
+    SiteSpec(
+        "layers.{i}.attn.indexer.recall",
+        "T",
+        F32,
+        "share of the dense attention mass (mean over heads) on the selected keys",
+        default=True,
+        derived_from="attn.scores",
+        reads=("attn.indexer.topk_indices",),
+        patchable=False,
+    ),
+    SiteSpec(
+        "layers.{i}.attn.scores", "B T H S", F32, "scaled attention logits before any mask (large: `all` only)", rank_local=True
+    ),
+    SiteSpec(
+        "layers.{i}.attn.probs",
+        "B T H S",
+        F32,
+        "attention probabilities after the sparse and causal masks (large: `all` only)",
+        rank_local=True,
+    ),
+    SiteSpec(
+        "layers.{i}.attn.probs_mean",
+        "T S",
+        F32,
+        "the attention probabilities, mean over heads",
+        default=True,
+        derived_from="attn.probs",
+        patchable=False,
+    ),
+    SiteSpec("layers.{i}.attn_out", "B T D", F32, "the attention update"),
+    SiteSpec("layers.{i}.resid_mid", "B T D", F32, "x'_n = x_n + the attention update (float32 sum)", default=True),
+    SiteSpec(
+        "layers.{i}.ffn.gate.scores",
+        "N E",
+        F32,
+        "router affinities after the sigmoid, before the bias",
+        blocks="moe",
+        default=True,
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.gate.biased_scores",
+        "N E",
+        F32,
+        "plus the correction bias: what selection ranks",
+        blocks="moe",
+        default=True,
+        reads=("ffn.gate.scores",),
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.gate.group_scores",
+        "N G",
+        F32,
+        "group scores (sum of the top-2 biased scores)",
+        blocks="moe",
+        default=True,
+        reads=("ffn.gate.biased_scores",),
+    ),
+    SiteSpec("layers.{i}.ffn.gate.groups", "N topk_groups", I64, "the chosen groups", blocks="moe", default=True),
+    SiteSpec("layers.{i}.ffn.gate.topk_indices", "N k", I64, "chosen experts, best first", blocks="moe", default=True),
+    SiteSpec(
+        "layers.{i}.ffn.gate.topk_weights",
+        "N k",
+        F32,
+        "their gating weights (normalised, times route_scale)",
+        blocks="moe",
+        default=True,
+    ),
+    SiteSpec("layers.{i}.ffn.routed_out", "N D", F32, "the routed experts' weighted sum (float32)", blocks="moe"),
+    SiteSpec("layers.{i}.ffn.shared_out", "N D", F32, "the shared expert's output", blocks="moe"),
+    SiteSpec("layers.{i}.ffn_out", "B T D", F32, "the FFN update"),
+    SiteSpec("layers.{i}.resid_post", "B T D", F32, "x_{n+1} = x'_n + the FFN update (float32 sum)", default=True),
+    SiteSpec(
+        "layers.{i}.logit_lens.topk_indices",
+        "T L",
+        I64,
+        ("final norm and head applied to `resid_post`: top tokens (on request: `layers.*.logit_lens.*`)"),
+        derived_from="resid_post",
+        patchable=False,
+    ),
+    SiteSpec("layers.{i}.logit_lens.topk_probs", "T L", F32, "their probabilities", derived_from="resid_post", patchable=False),
+    SiteSpec("logits.last", "B V", F32, "logits at the last position", blocks="model", default=True),
+    SiteSpec("logits.all", "B T V", F32, "every position's logits (large: on request)", blocks="model"),
 )
 # the logit lens costs a head product per block (more than the forward of a small model): on request
 LOGIT_LENS = "layers.*.logit_lens.*"
-
-# derived sites: name suffix -> (shape legend, dtype, what it is)
-DERIVED = {
-    "attn.indexer.recall": ("T", torch.float32, "share of the dense attention mass (mean over heads) on the selected keys"),
-    "attn.probs_mean": ("T S", torch.float32, "attention probabilities after the sparse mask, mean over heads"),
-    "logit_lens.topk_indices": ("T L", torch.int64, "top tokens of final norm + head applied to resid_post"),
-    "logit_lens.topk_probs": ("T L", torch.float32, "their probabilities"),
-}
 LOGIT_LENS_TOPK = 5
-INDEX_SITES = ("topk_indices", "groups", "logit_lens.topk_indices")  # integer-valued sites
+DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.default)
+_BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks != "model"}
+_TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
 
 
 def hook_points(model: torch.nn.Module) -> dict[str, HookPoint]:
@@ -56,26 +163,41 @@ Site = tuple[str, torch.dtype]  # (shape legend, recorded dtype)
 _LAYER_SITE = re.compile(r"layers\.(0|[1-9][0-9]{0,8})\.(.+)")  # canonical block indices only: one name per site
 
 
+def site_name(block: int, suffix: str) -> str:
+    """The name of block ``block``'s site ``suffix`` (a registry row's suffix)."""
+    return f"layers.{block}.{suffix}"
+
+
+def spec(name: str) -> SiteSpec | None:
+    """The registry row of a site name (any block), or None."""
+    where = layer_site(name)
+    return _TOP.get(name) if where is None else _BY_SUFFIX.get(where[1])
+
+
 @lru_cache(maxsize=1)
 def _templates() -> tuple[dict[str, Site], dict[str, Site], dict[str, Site]]:
-    """(model-level sites, a dense block's, a MoE block's). A block's hook points depend on its kind
-    only, never on a size: a two-block model of the tiny config names them all, so reading the sites
-    of a config costs the same for 3 blocks of 16 experts as for 2 million blocks of 262,144."""
-    from model.checkpoint import build_model
-    from model.config import TINY
+    """(model-level sites, a dense block's, a MoE block's), from the registry: a block's sites depend
+    on its kind only, never on a size, so reading the sites of a config costs the same for 3 blocks
+    of 16 experts as for 2 million blocks of 262,144."""
+    top = {row.pattern: (row.legend, row.dtype) for row in _TOP.values()}
+    dense = {suffix: (row.legend, row.dtype) for suffix, row in _BY_SUFFIX.items() if row.blocks == "all"}
+    moe = {suffix: (row.legend, row.dtype) for suffix, row in _BY_SUFFIX.items()}
+    return top, dense, moe
 
-    top: dict[str, Site] = {}
-    blocks: dict[int, dict[str, Site]] = {0: {}, 1: {}}
-    for name, point in hook_points(build_model(TINY.replace(n_layers=2, n_dense_layers=1), gate_bias=True)).items():
-        dtype = torch.int64 if name.endswith(("topk_indices", ".groups")) else torch.float32
-        m = _LAYER_SITE.fullmatch(name)
-        if m is None:
-            top[name] = (point.shape, dtype)
-        else:
-            blocks[int(m.group(1))][m.group(2)] = (point.shape, dtype)
-    for block in blocks.values():
-        block.update({suffix: (legend, dtype) for suffix, (legend, dtype, _) in DERIVED.items()})
-    return top, blocks[0], blocks[1]
+
+def markdown_table() -> str:
+    """The docs' table of sites (docs/cli.md holds this text; a test keeps them equal)."""
+    lines = [
+        "| site | shape | dtype | default | what |",
+        "|---|---|---|---|---|",
+        "| `tokens` | [T] | int64 | always | token ids |",
+    ]
+    for row in REGISTRY:
+        shape = ", ".join(letter for letter in row.legend.split() if letter != "B").replace("N", "T")
+        kind = "derived: " if row.derived_from else ""
+        dtype = str(row.dtype).removeprefix("torch.")
+        lines.append(f"| `{row.pattern}` | [{shape}] | {dtype} | {'yes' if row.default else ''} | {kind}{row.what} |")
+    return "\n".join(lines) + "\n"
 
 
 def layer_site(name: str) -> tuple[int, str] | None:

@@ -36,9 +36,9 @@ def residual_table(trace: Trace) -> pd.DataFrame:
     frames = []
     prev = None
     for i in trace.layers_with("resid_post"):
-        post = trace[f"layers.{i}.resid_post"].double()
-        pre = trace.tensors.get(f"layers.{i}.resid_pre")
-        mid = trace.tensors.get(f"layers.{i}.resid_mid")
+        post = trace.site(i, "resid_post").double()
+        pre = trace.site(i, "resid_pre")
+        mid = trace.site(i, "resid_mid")
         base = prev if prev is not None else (pre.double() if pre is not None else None)
         row = {"layer": i, "position": pos, "token": tok, "norm_post": post.norm(dim=-1).numpy()}
         if pre is not None:
@@ -63,13 +63,13 @@ def router_table(trace: Trace) -> pd.DataFrame:
     pos, tok = _positions(trace)
     frames = []
     for i in trace.layers_with("ffn.gate.topk_indices"):
-        idx = trace[f"layers.{i}.ffn.gate.topk_indices"].numpy()  # (T, k)
+        idx = trace.site(i, "ffn.gate.topk_indices").numpy()  # (T, k)
         rank = np.full((n, e), -1, dtype=np.int64)
         weight = np.zeros((n, e), dtype=np.float32)
         rows = np.repeat(np.arange(n), idx.shape[1])
         rank[rows, idx.ravel()] = np.tile(np.arange(idx.shape[1]), n)
-        if f"layers.{i}.ffn.gate.topk_weights" in trace:
-            weight[rows, idx.ravel()] = trace[f"layers.{i}.ffn.gate.topk_weights"].numpy().ravel()
+        if trace.site(i, "ffn.gate.topk_weights") is not None:
+            weight[rows, idx.ravel()] = trace.site(i, "ffn.gate.topk_weights").numpy().ravel()
         data = {
             "layer": i,
             "position": np.repeat(pos, e),
@@ -78,11 +78,11 @@ def router_table(trace: Trace) -> pd.DataFrame:
             "group": np.tile(np.arange(e) // per_group, n),
         }
         for site, column in (("scores", "score"), ("biased_scores", "biased_score")):
-            if f"layers.{i}.ffn.gate.{site}" in trace:
-                data[column] = trace[f"layers.{i}.ffn.gate.{site}"].numpy().ravel()
-        if f"layers.{i}.ffn.gate.groups" in trace:
+            if trace.site(i, f"ffn.gate.{site}") is not None:
+                data[column] = trace.site(i, f"ffn.gate.{site}").numpy().ravel()
+        if trace.site(i, "ffn.gate.groups") is not None:
             chosen = np.zeros((n, cfg.n_expert_groups), dtype=bool)
-            groups = trace[f"layers.{i}.ffn.gate.groups"].numpy()
+            groups = trace.site(i, "ffn.gate.groups").numpy()
             chosen[np.repeat(np.arange(n), groups.shape[1]), groups.ravel()] = True
             data["group_chosen"] = chosen[:, np.arange(e) // per_group].ravel()
         data["selected"] = rank.ravel() >= 0
@@ -98,7 +98,7 @@ def expert_load_table(trace: Trace) -> pd.DataFrame:
     per_group = cfg.n_routed_experts // cfg.n_expert_groups
     frames = []
     for i in trace.layers_with("ffn.gate.topk_indices"):
-        idx = trace[f"layers.{i}.ffn.gate.topk_indices"].numpy().ravel()
+        idx = trace.site(i, "ffn.gate.topk_indices").numpy().ravel()
         counts = np.bincount(idx, minlength=cfg.n_routed_experts)
         data = {
             "layer": i,
@@ -107,8 +107,8 @@ def expert_load_table(trace: Trace) -> pd.DataFrame:
             "tokens": counts,
             "share": counts / max(len(idx), 1),
         }
-        if f"layers.{i}.ffn.gate.topk_weights" in trace:
-            w = trace[f"layers.{i}.ffn.gate.topk_weights"].numpy().ravel()
+        if trace.site(i, "ffn.gate.topk_weights") is not None:
+            w = trace.site(i, "ffn.gate.topk_weights").numpy().ravel()
             sums = np.bincount(idx, weights=w, minlength=cfg.n_routed_experts)
             data["mean_weight"] = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
         frames.append(pd.DataFrame(data))
@@ -123,8 +123,8 @@ def groups_table(trace: Trace) -> pd.DataFrame:
     frames = []
     for i in trace.layers_with("ffn.gate.group_scores"):
         chosen = np.zeros((n, g), dtype=bool)
-        if f"layers.{i}.ffn.gate.groups" in trace:
-            groups = trace[f"layers.{i}.ffn.gate.groups"].numpy()
+        if trace.site(i, "ffn.gate.groups") is not None:
+            groups = trace.site(i, "ffn.gate.groups").numpy()
             chosen[np.repeat(np.arange(n), groups.shape[1]), groups.ravel()] = True
         frames.append(
             pd.DataFrame(
@@ -133,7 +133,7 @@ def groups_table(trace: Trace) -> pd.DataFrame:
                     "position": np.repeat(pos, g),
                     "token": np.repeat(tok, g),
                     "group": np.tile(np.arange(g), n),
-                    "group_score": trace[f"layers.{i}.ffn.gate.group_scores"].numpy().ravel(),
+                    "group_score": trace.site(i, "ffn.gate.group_scores").numpy().ravel(),
                     "chosen": chosen.ravel(),
                 }
             )
@@ -155,17 +155,17 @@ def indexer_table(trace: Trace) -> pd.DataFrame:
             "query_token": tok[q],
             "key": k,
             "key_token": tok[k],
-            "score": trace[f"layers.{i}.attn.indexer.scores"].numpy()[q, k],
+            "score": trace.site(i, "attn.indexer.scores").numpy()[q, k],
         }
-        if f"layers.{i}.attn.indexer.topk_indices" in trace:
-            topk = trace[f"layers.{i}.attn.indexer.topk_indices"].numpy()
+        if trace.site(i, "attn.indexer.topk_indices") is not None:
+            topk = trace.site(i, "attn.indexer.topk_indices").numpy()
             rank = np.full((n, n + 1), -1, dtype=np.int64)
             slot = np.where(topk < 0, n, topk)
             rank[np.repeat(np.arange(n), topk.shape[1]), slot.ravel()] = np.tile(np.arange(topk.shape[1]), n)
             data["selected"] = rank[q, k] >= 0
             data["rank"] = rank[q, k]
-        if f"layers.{i}.attn.probs_mean" in trace:
-            data["attn_prob"] = trace[f"layers.{i}.attn.probs_mean"].numpy()[q, k]
+        if trace.site(i, "attn.probs_mean") is not None:
+            data["attn_prob"] = trace.site(i, "attn.probs_mean").numpy()[q, k]
         frames.append(pd.DataFrame(data))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -174,7 +174,7 @@ def recall_table(trace: Trace) -> pd.DataFrame:
     """Per block and query: the share of the dense attention mass the selected keys cover."""
     pos, tok = _positions(trace)
     frames = [
-        pd.DataFrame({"layer": i, "query": pos, "token": tok, "recall": trace[f"layers.{i}.attn.indexer.recall"].numpy()})
+        pd.DataFrame({"layer": i, "query": pos, "token": tok, "recall": trace.site(i, "attn.indexer.recall").numpy()})
         for i in trace.layers_with("attn.indexer.recall")
     ]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -191,7 +191,7 @@ def logit_lens_table(trace: Trace) -> pd.DataFrame:
     pos, tok = _positions(trace)
     frames = []
     for i in trace.layers_with("logit_lens.topk_indices"):
-        ids = trace[f"layers.{i}.logit_lens.topk_indices"].numpy()  # (T, L)
+        ids = trace.site(i, "logit_lens.topk_indices").numpy()  # (T, L)
         n, top = ids.shape
         data = {
             "layer": i,
@@ -201,8 +201,8 @@ def logit_lens_table(trace: Trace) -> pd.DataFrame:
             "predicted_id": ids.ravel(),
         }
         data["predicted"] = _names(trace, ids.ravel())
-        if f"layers.{i}.logit_lens.topk_probs" in trace:
-            data["probability"] = trace[f"layers.{i}.logit_lens.topk_probs"].numpy().ravel()
+        if trace.site(i, "logit_lens.topk_probs") is not None:
+            data["probability"] = trace.site(i, "logit_lens.topk_probs").numpy().ravel()
         frames.append(pd.DataFrame(data))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

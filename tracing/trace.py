@@ -21,7 +21,7 @@ from safetensors.torch import save as save_bytes
 
 from model.config import ConfigError, ModelArgs
 
-from .sites import index_range, layer_site, site_legend, site_shape
+from .sites import index_range, layer_site, site_legend, site_name, site_shape
 
 FORMAT = "deepseek-v32-trace"
 VERSION = "1"
@@ -60,6 +60,11 @@ class Trace:
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
+
+    def site(self, block: int, suffix: str) -> torch.Tensor | None:
+        """Block ``block``'s value of the site ``layers.{i}.{suffix}`` (a registry row), or None when
+        the trace does not hold it: the one place outside the registry that spells a block's site."""
+        return self.tensors.get(site_name(block, suffix))
 
     def layers_with(self, suffix: str) -> list[int]:
         """Block indices that have a site ``layers.{i}.{suffix}``, in order: from the tensors held,

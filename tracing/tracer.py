@@ -19,14 +19,8 @@ import torch
 from model.config import ModelArgs
 
 from .errors import InputError
-from .interventions import NEEDS, Intervention, Replace
-from .sites import LOGIT_LENS_TOPK, hook_points, select, site_shapes
-
-# derived site suffix -> the hook point whose value it is computed from
-_DERIVED_FROM = {
-    "attn.indexer.recall": "attn.scores",
-    "attn.probs_mean": "attn.probs",
-}
+from .interventions import Intervention, Replace
+from .sites import LOGIT_LENS_TOPK, hook_points, layer_site, select, site_name, site_shapes, spec
 
 
 class Tracer:
@@ -132,7 +126,7 @@ class Tracer:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise InputError(f"patch {name!r} holds NaN or infinite values")
-            if self.plan is not None and name.endswith(("attn.scores", "attn.probs")) and self.plan.world > 1:
+            if self.plan is not None and spec(name).rank_local and self.plan.world > 1:
                 raise InputError(f"patch {name!r}: per-head attention values cannot be patched under tensor parallelism")
         replacers: dict[str, list[Replace]] = {}
         for intervention in self.interventions:
@@ -140,17 +134,21 @@ class Tracer:
                 replacers.setdefault(name, []).append(fn)
         derived: dict[str, list[str]] = {}  # hook point -> derived sites computed from its value
         keep: set[str] = set()  # hook points whose value later hooks of this pass read
-        for name in self.sites:
-            layer, _, suffix = name.partition(".")[2].partition(".")
-            if suffix in _DERIVED_FROM:
-                derived.setdefault(f"layers.{layer}.{_DERIVED_FROM[suffix]}", []).append(name)
-                if suffix == "attn.indexer.recall":
-                    keep.add(f"layers.{layer}.attn.indexer.topk_indices")
-        for name in replacers:
-            layer, _, suffix = name.partition(".")[2].partition(".")
-            keep.update(f"layers.{layer}.{need}" for need in NEEDS.get(suffix, ()))
-        self._lens = sorted({int(n.split(".")[1]) for n in self.sites if ".logit_lens." in n})
-        keep.update(f"layers.{i}.resid_post" for i in self._lens)
+        lens: set[int] = set()  # blocks whose logit lens is asked for: computed at the final norm and head
+        for name in [*self.sites, *replacers]:
+            row, where = spec(name), layer_site(name)
+            if where is None:
+                continue
+            layer = where[0]
+            keep.update(site_name(layer, read) for read in row.reads)  # read later in this pass
+            if name in replacers or row.derived_from is None:
+                continue
+            if row.suffix.startswith("logit_lens."):
+                lens.add(layer)
+            else:
+                derived.setdefault(site_name(layer, row.derived_from), []).append(name)
+        self._lens = sorted(lens)
+        keep.update(site_name(i, "resid_post") for i in self._lens)
         wanted = set(self.sites)
         for name, point in points.items():
             if name in wanted or name in self.patches or name in replacers or name in derived or name in keep:
@@ -176,7 +174,7 @@ class Tracer:
     def _lens_norm(self, module, inputs, output):
         if self._mine():  # the module's forward, not its __call__: no hooks run again
             for i in self._lens:
-                stream = self._seen.pop(f"layers.{i}.resid_post")
+                stream = self._seen.pop(site_name(i, "resid_post"))
                 self._seen[f"lens.{i}"] = type(module).forward(module, stream, output.dtype)
 
     def _lens_head(self, module, inputs, output):
@@ -186,8 +184,8 @@ class Tracer:
             probs = type(module).forward(module, self._seen.pop(f"lens.{i}")[0].float()).softmax(dim=-1)  # (T, V)
             top = probs.topk(LOGIT_LENS_TOPK, dim=-1)
             for site, value in (("topk_indices", top.indices), ("topk_probs", top.values.float())):
-                if f"layers.{i}.logit_lens.{site}" in self.sites:
-                    self.values[f"layers.{i}.logit_lens.{site}"] = value.cpu()
+                if (name := site_name(i, f"logit_lens.{site}")) in self.sites:
+                    self.values[name] = value.cpu()
 
     def _hook(self, name: str, record: bool, patch, replacers: list[Replace], derived: list[str], keep: bool):
         def hook(module, inputs, output):
@@ -204,10 +202,10 @@ class Tracer:
             if keep:
                 self._seen[name] = value
             whole = value
-            if self.plan is not None and (record or derived):
-                from model.parallel import gather_site
+            if self.plan is not None and (record or derived) and spec(name).rank_local:
+                from model.parallel import gather_heads
 
-                whole = gather_site(name, value, self.plan)  # all heads (a collective on every rank)
+                whole = gather_heads(value, self.plan, layer_site(name)[0])  # all heads (a collective on every rank)
             if record:
                 self.values[name] = _to_cpu(whole, module.shape)
             for target in derived:
@@ -232,7 +230,7 @@ class Tracer:
         t, _, s = scores.shape
         causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
         dense = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
-        selected = self._seen[f"layers.{layer}.attn.indexer.topk_indices"][0]  # (T, K)
+        selected = self._seen[site_name(layer, "attn.indexer.topk_indices")][0]  # (T, K)
         slot = torch.where(selected < 0, s, selected)
         keep = torch.zeros(t, s + 1, dtype=torch.bool, device=scores.device).scatter_(-1, slot, True)[:, :s] & causal
         return (dense * keep[:, None, :]).sum(-1).mean(-1).cpu()
