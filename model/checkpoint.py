@@ -2,8 +2,10 @@
 
 A :class:`WeightSource` says which tensors it has (name -> shape, dtype) and reads one on demand.
 :func:`load_model` builds the model on the meta device (a 671B model costs nothing there), checks
-every tensor the model expects against the source, then assigns real tensors; :func:`materialize`
-does the same for one sub-module, which is how streaming loads one block at a time.
+every tensor the model expects against the source, then assigns real tensors (:func:`materialize`,
+for the model or any sub-module of it). :class:`TensorReader` reads a tensor, or one rank's range of
+it, straight from the shards onto a device: the reads of streaming (``model.stream``) and of tensor
+parallelism (``model.parallel``).
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
+import threading
 import warnings
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,6 +32,9 @@ from torch import nn
 from .config import ConfigError, ModelArgs
 from .names import STORED_BF16, from_hf, layer_of, to_hf
 from .transformer import Transformer
+
+if TYPE_CHECKING:
+    from .parallel import Part
 
 INDEX = "model.safetensors.index.json"
 _DTYPES = {
@@ -77,6 +86,11 @@ class WeightSource(ABC):
     def load(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """One tensor by checkpoint name."""
 
+    def load_slice(self, name: str, dim: int, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) start:stop of a tensor: one rank's part. Here the whole
+        tensor is made and cut; a source that can read only those bytes does so instead."""
+        return self.load(name, device).narrow(dim, start, stop - start).clone()
+
     def where(self, name: str) -> str:
         """Where a tensor lives, for error messages."""
         return "the source"
@@ -84,11 +98,6 @@ class WeightSource(ABC):
     def nbytes(self, names: Iterable[str]) -> int:
         specs = self.specs()
         return sum(_numel(specs[n].shape) * specs[n].dtype.itemsize for n in names)
-
-    @property
-    def has_gate_bias(self) -> bool:
-        """Whether the routers carry e_score_correction_bias: decided by the tensors, not the width."""
-        return any(name.endswith(".mlp.gate.e_score_correction_bias") for name in self.specs())
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -113,6 +122,9 @@ class SafetensorsSource(WeightSource):
         self._handles: dict[str, object] = {}  # before the index: a single-file checkpoint is opened to list its tensors
         self._specs: dict[str, TensorSpec] | None = None
         self.weight_map = self._read_index()
+        if self.args.n_moe_layers:  # whether the routers carry a correction bias: the tensors say, not the config
+            gate_bias = any(name.endswith(".mlp.gate.e_score_correction_bias") for name in self.weight_map)
+            self.args = self.args.replace(gate_bias=gate_bias)
 
     def _read_index(self) -> dict[str, str]:
         index = self.directory / INDEX
@@ -186,11 +198,137 @@ class SafetensorsSource(WeightSource):
         return piece[index].to(device)
 
 
-def expected_specs(args: ModelArgs, gate_bias: bool | None = None) -> dict[str, TensorSpec]:
+class TensorReader:
+    """Reads checkpoint tensors (or one rank's part of them) onto a device, counting bytes.
+
+    From a :class:`SafetensorsSource` a tensor, or a range of its rows, is read with ``pread``:
+    the read happens here (in the loader thread, without the GIL), not later as page faults of a
+    memory map in the thread that computes. For the CPU it is read straight into the tensor; for
+    a GPU through a reused (pinned) staging buffer of ``staging_bytes``, so each byte crosses
+    PCIe from page-locked memory and no fresh host pages are faulted in. Other sources go
+    through ``load`` and ``load_slice``.
+    """
+
+    def __init__(self, source: WeightSource, staging_bytes: int = 64 << 20, staging: bool | None = None):
+        self.source = source
+        self.specs = source.specs()
+        self.reads: Counter[str] = Counter()  # checkpoint name -> times read
+        self.bytes_read = 0
+        self.staging_bytes = staging_bytes
+        self._staging = staging  # None: for devices other than the CPU
+        self._stage: torch.Tensor | None = None
+        self._direct = isinstance(source, SafetensorsSource)
+        self._shards: dict[str, tuple[int, int, dict[str, Any]]] = {}  # shard -> (fd, data start, header)
+        self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one staging buffer
+
+    def direct(self, device: torch.device, part: Part | None = None) -> bool:
+        """Whether :meth:`read` reads straight into host memory a caller may provide (``into``)."""
+        staged = self._staging if self._staging is not None else device.type != "cpu"
+        return self._direct and not staged and (part is None or part.dim == 0)
+
+    def nbytes(self, name: str, part: Part | None = None) -> int:
+        spec = self.specs[name]
+        n = spec.dtype.itemsize
+        for i, size in enumerate(spec.shape):
+            n *= part.stop - part.start if (part is not None and i == 0) else size
+        return n
+
+    def read(
+        self, name: str, device: torch.device | str, part: Part | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The tensor (or this rank's part of it) on ``device``. ``into``: a uint8 host buffer of
+        :meth:`nbytes` to read into when :meth:`direct` (memory reused from a freed weight)."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.source.where(name)}: tensor {name} is missing from the checkpoint")
+        device = torch.device(device)
+        if self._direct and (part is None or part.dim == 0):
+            tensor = self._pread(name, spec, part, device, into)
+        elif part is None:
+            tensor = self.source.load(name, device)
+        else:
+            tensor = self.source.load_slice(name, part.dim, part.start, part.stop, device)
+        tensor = tensor.to(device)
+        with self._lock:
+            self.reads[name] += 1
+            self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _pread(
+        self, name: str, spec: TensorSpec, part: Part | None, device: torch.device, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        fd, start, header = self._shard(self.source.weight_map[name])
+        entry = header.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.source.where(name)}: tensor {name} is not in the file")
+        begin, end = entry["data_offsets"]
+        shape = list(spec.shape)
+        row_bytes = spec.dtype.itemsize
+        for s in shape[1:]:
+            row_bytes *= s
+        if end - begin != row_bytes * (shape[0] if shape else 1):
+            raise CheckpointError(f"{self.source.where(name)}: tensor {name} has {end - begin} bytes, expected {spec}")
+        if part is not None:
+            begin, shape[0] = begin + part.start * row_bytes, part.stop - part.start
+        nbytes, offset = row_bytes * (shape[0] if shape else 1), start + begin
+        staged = self._staging if self._staging is not None else device.type != "cpu"
+        if not staged:
+            raw = into if into is not None else torch.empty(nbytes, dtype=torch.uint8)
+            self._fill(fd, memoryview(raw.numpy()), offset, name)
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            with self._read_lock:
+                stage = self._staging_buffer(device)
+                view = memoryview(stage.numpy())
+                for done in range(0, nbytes, len(view)):
+                    n = min(len(view), nbytes - done)
+                    self._fill(fd, view[:n], offset + done, name)
+                    raw[done : done + n].copy_(stage[:n])  # from page-locked memory; returns when done
+        return raw.view(spec.dtype).reshape(shape)
+
+    def _fill(self, fd: int, view: memoryview, offset: int, name: str) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.source.where(name)}: file ends inside tensor {name}")
+            done += n
+
+    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
+        if self._stage is None:
+            self._stage = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return self._stage
+
+    def locate(self, name: str) -> tuple[int, int, int]:
+        """Where a tensor's bytes are in its shard: (open file descriptor, offset, length)."""
+        fd, start, header = self._shard(self.source.weight_map[name])
+        begin, end = header[name]["data_offsets"]
+        return fd, start + begin, end - begin
+
+    def _shard(self, shard: str) -> tuple[int, int, dict[str, Any]]:
+        with self._lock:
+            known = self._shards.get(shard)
+            if known is None:
+                path = self.source.directory / shard
+                fd = os.open(path, os.O_RDONLY)
+                (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                header = json.loads(os.pread(fd, size, 8))
+                known = self._shards[shard] = (fd, 8 + size, header)
+            return known
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _, _ in self._shards.values():
+                os.close(fd)
+            self._shards.clear()
+
+
+def expected_specs(args: ModelArgs) -> dict[str, TensorSpec]:
     """Every checkpoint tensor the model needs (MTP layer excluded): name -> shape and the dtype
     the checkpoint stores it in (the module's, but bfloat16 for names.STORED_BF16)."""
     with torch.device("meta"):
-        model = Transformer(args, gate_bias=gate_bias)
+        model = Transformer(args)
     return {to_hf(name): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype)) for name, p in model.named_parameters()}
 
 
@@ -208,8 +346,10 @@ def check_tensor(name: str, found: TensorSpec, want: TensorSpec, where: str) -> 
         raise CheckpointError(f"{where}: tensor {name} has dtype {dtype_name(found.dtype)}, expected {dtype_name(want.dtype)}")
 
 
-def validate(model: nn.Module, source: WeightSource, prefix: str = "") -> list[str]:
-    """Check every parameter of ``model`` against the source; return the checkpoint names it needs."""
+def validate(model: nn.Module, source: WeightSource, prefix: str = "", parts: Mapping[str, Part] | None = None) -> list[str]:
+    """Check every parameter of ``model`` against the source, before anything is read; return the
+    checkpoint names it needs. A parameter in ``parts`` (module path -> this rank's part) holds
+    that part of its tensor."""
     specs = source.specs()
     needed = []
     for name, param in model.named_parameters(prefix=prefix.rstrip(".")):
@@ -217,7 +357,13 @@ def validate(model: nn.Module, source: WeightSource, prefix: str = "") -> list[s
         want = TensorSpec(tuple(param.shape), param.dtype)
         if hf not in specs:
             raise CheckpointError(f"{source.where(hf)}: tensor {hf} ({want}) is missing from the checkpoint")
-        check_tensor(hf, specs[hf], want, source.where(hf))
+        found = specs[hf]
+        part = (parts or {}).get(name)
+        if part is not None:
+            shape = list(found.shape)
+            shape[part.dim] = part.stop - part.start
+            found = TensorSpec(tuple(shape), found.dtype)
+        check_tensor(hf, found, want, source.where(hf))
         needed.append(hf)
     return needed
 
@@ -249,15 +395,10 @@ def materialize(
     return total
 
 
-def build_model(
-    args: ModelArgs,
-    dtype: torch.dtype = torch.bfloat16,
-    gate_bias: bool | None = None,
-    weight_dtype: torch.dtype = torch.bfloat16,
-) -> Transformer:
+def build_model(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.bfloat16) -> Transformer:
     """The model on the meta device: the structure, no memory."""
     with torch.device("meta"):
-        return Transformer(args, dtype=dtype, weight_dtype=weight_dtype, gate_bias=gate_bias)
+        return Transformer(args, dtype=dtype, weight_dtype=weight_dtype)
 
 
 def load_model(
@@ -268,7 +409,7 @@ def load_model(
     """A ready model from a checkpoint directory or any WeightSource."""
     if not isinstance(source, WeightSource):
         source = SafetensorsSource(source)
-    model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+    model = build_model(source.args, dtype)
     needed = set(validate(model, source))
     _warn_unused(source, needed)
     materialize(model, source, device)
@@ -342,6 +483,7 @@ def _checkpoint_order(name: str) -> tuple[int, str]:
 __all__ = [
     "CheckpointError",
     "SafetensorsSource",
+    "TensorReader",
     "TensorSpec",
     "WeightSource",
     "build_model",

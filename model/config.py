@@ -40,8 +40,9 @@ class ModelArgs:
     n_limited_groups: int = 1  # groups a token may route to
     score_func: str = "softmax"  # "softmax" | "sigmoid"
     route_scale: float = 1.0
-    # None: a checkpoint decides (it has e_score_correction_bias or not); a config alone decides
-    # from topk_method ("noaux_tc") or, for the reference's JSON, from score_func == "sigmoid".
+    # Whether the routers carry e_score_correction_bias (has_gate_bias decides, everywhere): a checkpoint's
+    # tensors say (SafetensorsSource sets it when it opens one); a config alone from topk_method ("noaux_tc"),
+    # or, for the reference's JSON (None here), from score_func == "sigmoid".
     gate_bias: bool | None = None
     # multi-head latent attention
     q_lora_rank: int = 0

@@ -29,9 +29,3 @@ class HookPoint(nn.Module):
 
     def extra_repr(self) -> str:
         return self.shape
-
-
-def replaced(point: HookPoint, value: torch.Tensor) -> torch.Tensor | None:
-    """Run ``point`` on ``value``; the hooks' replacement, or None when they left it alone."""
-    out = point(value)
-    return None if out is value else out

@@ -60,11 +60,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fp8
-from .checkpoint import WeightSource, build_model
+from .checkpoint import TensorReader, WeightSource, build_model, validate
 from .linear import Linear
 from .moe import MLP, MoE
 from .names import to_hf
-from .stream import TensorReader, check_parts
 from .transformer import Embedding, Transformer
 
 
@@ -281,7 +280,7 @@ def materialize_parallel(model: Transformer, source: WeightSource, plan: Paralle
     """Assign this rank's part of every parameter of a parallelized meta model; returns bytes read."""
     reader = TensorReader(source)
     try:
-        check_parts(model, reader.specs, plan.parts, source)
+        validate(model, source, parts=plan.parts)
         for name, param in list(model.named_parameters()):
             tensor = reader.read(to_hf(name), device, plan.parts.get(name)).to(param.dtype)
             *path, leaf = name.split(".")
@@ -299,7 +298,7 @@ def load_parallel(
     strict: bool = False,
 ) -> tuple[Transformer, ParallelPlan]:
     """This rank's part of the model, ready to run: build on meta, split, read only this part."""
-    model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+    model = build_model(source.args, dtype)
     plan = parallelize(model, group, strict)
     materialize_parallel(model, source, plan, device)
     return model.eval(), plan

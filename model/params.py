@@ -33,14 +33,14 @@ def component(name: str) -> str:
     return next((label for key, label in _BLOCK_COMPONENTS if key in name), "other")
 
 
-def block_components(args: ModelArgs, gate_bias: bool | None = None) -> tuple[dict[str, int], list[dict[str, int]]]:
+def block_components(args: ModelArgs) -> tuple[dict[str, int], list[dict[str, int]]]:
     """Parameters per component outside the blocks, and inside each block. Every dense block is
     alike and so is every MoE block: a model cut after its first MoE block is built (on the meta
     device, milliseconds where the 671B model takes seconds) and its blocks stand for the rest."""
     small = args.replace(n_layers=min(args.n_layers, args.n_dense_layers + 1))
     top: Counter[str] = Counter()
     blocks: list[Counter[str]] = [Counter() for _ in range(small.n_layers)]
-    for name, p in build_model(small, gate_bias=gate_bias).named_parameters():
+    for name, p in build_model(small).named_parameters():
         if name.endswith(".scale"):  # FP8 block scales are not weights
             continue
         if name.startswith("layers."):
@@ -51,9 +51,9 @@ def block_components(args: ModelArgs, gate_bias: bool | None = None) -> tuple[di
     return dict(top), per_layer
 
 
-def count_params(args: ModelArgs, gate_bias: bool | None = None) -> dict[str, Any]:
+def count_params(args: ModelArgs) -> dict[str, Any]:
     """Total and activated parameters, per component and per block."""
-    top, per_layer = block_components(args, gate_bias)
+    top, per_layer = block_components(args)
     by_component: Counter[str] = Counter(top)
     for block in per_layer:
         by_component.update(block)

@@ -3,18 +3,19 @@
 The model is built on the meta device (:func:`model.checkpoint.build_model`) and run by its own
 ``forward``: :class:`Streamer` only adds forward hooks from outside. Before a block runs, a
 pre-hook assigns its weights, read from the :class:`~model.checkpoint.WeightSource` onto the
-target device; after it ran, a hook puts the meta parameters back, which frees the weights. The
-embedding, the final norm and the head are streamed the same way. In a MoE block the routed
-experts are not part of the block's load: a hook on the router reads which experts it picked,
-and a pre-hook on each of those experts loads it just before the MoE loop calls it (the loop
-skips experts with no tokens, so unpicked experts are never read); after it ran it is freed.
+target device by a :class:`~model.checkpoint.TensorReader`; after it ran, a hook puts the meta
+parameters back, which frees the weights. The embedding, the final norm and the head are
+streamed the same way. In a MoE block the routed experts are not part of the block's load: a
+hook on the router reads which experts it picked, and a pre-hook on each of those experts loads
+it just before the MoE loop calls it (the loop skips experts with no tokens, so unpicked experts
+are never read); after it ran it is freed.
 
 Because the same module objects run the same code, logits and every hook point's value are
 identical to those of the fully loaded model, and hooks registered by name (tracing) fire as
 usual. A background thread reads ahead: the next block while this one runs, and a few of the
 picked experts while earlier ones run, so at most about two blocks of weights are resident.
 
-    model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+    model = build_model(source.args, dtype)
     logits, stats = stream_forward(model, source, tokens, device, progress=print_progress())
 
 or, to call the model yourself (several calls, hooks of your own):
@@ -28,10 +29,7 @@ or, to call the model yourself (several calls, hooks of your own):
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -43,164 +41,16 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, SafetensorsSource, TensorSpec, WeightSource, check_tensor
+from .checkpoint import TensorReader, WeightSource, validate
 from .fp8 import FP8
 from .linear import Linear
 from .moe import MoE
 from .names import STORED_BF16, from_hf, to_hf
+from .progress import ProgressBar
 from .transformer import Transformer
 
 if TYPE_CHECKING:
     from .parallel import Part
-
-
-# -------------------------------------------------------------------------------------------------
-# reading tensors
-
-
-class TensorReader:
-    """Reads checkpoint tensors (or one rank's part of them) onto a device, counting bytes.
-
-    From a :class:`SafetensorsSource` a tensor, or a range of its rows, is read with ``pread``:
-    the read happens here (in the loader thread, without the GIL), not later as page faults of a
-    memory map in the thread that computes. For the CPU it is read straight into the tensor; for
-    a GPU through a reused (pinned) staging buffer of ``staging_bytes``, so each byte crosses
-    PCIe from page-locked memory and no fresh host pages are faulted in. Other sources go
-    through ``load`` (and ``load_slice`` where they have it).
-    """
-
-    def __init__(self, source: WeightSource, staging_bytes: int = 64 << 20, staging: bool | None = None):
-        self.source = source
-        self.specs = source.specs()
-        self.reads: Counter[str] = Counter()  # checkpoint name -> times read
-        self.bytes_read = 0
-        self.staging_bytes = staging_bytes
-        self._staging = staging  # None: for devices other than the CPU
-        self._stage: torch.Tensor | None = None
-        self._direct = isinstance(source, SafetensorsSource)
-        self._shards: dict[str, tuple[int, int, dict[str, Any]]] = {}  # shard -> (fd, data start, header)
-        self._lock = threading.Lock()
-        self._read_lock = threading.Lock()  # one staging buffer
-
-    def direct(self, device: torch.device, part: Part | None = None) -> bool:
-        """Whether :meth:`read` reads straight into host memory a caller may provide (``into``)."""
-        staged = self._staging if self._staging is not None else device.type != "cpu"
-        return self._direct and not staged and (part is None or part.dim == 0)
-
-    def nbytes(self, name: str, part: Part | None = None) -> int:
-        spec = self.specs[name]
-        n = spec.dtype.itemsize
-        for i, size in enumerate(spec.shape):
-            n *= part.stop - part.start if (part is not None and i == 0) else size
-        return n
-
-    def read(
-        self, name: str, device: torch.device | str, part: Part | None = None, into: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The tensor (or this rank's part of it) on ``device``. ``into``: a uint8 host buffer of
-        :meth:`nbytes` to read into when :meth:`direct` (memory reused from a freed weight)."""
-        spec = self.specs.get(name)
-        if spec is None:
-            raise CheckpointError(f"{self.source.where(name)}: tensor {name} is missing from the checkpoint")
-        device = torch.device(device)
-        if self._direct and (part is None or part.dim == 0):
-            tensor = self._pread(name, spec, part, device, into)
-        elif part is None:
-            tensor = self.source.load(name, "cpu" if self._direct else device)
-        elif hasattr(self.source, "load_slice"):
-            tensor = self.source.load_slice(name, part.dim, part.start, part.stop, device)
-        else:  # a generated source: make the whole tensor, keep this rank's part
-            tensor = self.source.load(name, device).narrow(part.dim, part.start, part.stop - part.start).clone()
-        tensor = tensor.to(device)
-        with self._lock:
-            self.reads[name] += 1
-            self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def _pread(
-        self, name: str, spec: TensorSpec, part: Part | None, device: torch.device, into: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        fd, start, header = self._shard(self.source.weight_map[name])
-        entry = header.get(name)
-        if entry is None:
-            raise CheckpointError(f"{self.source.where(name)}: tensor {name} is not in the file")
-        begin, end = entry["data_offsets"]
-        shape = list(spec.shape)
-        row_bytes = spec.dtype.itemsize
-        for s in shape[1:]:
-            row_bytes *= s
-        if end - begin != row_bytes * (shape[0] if shape else 1):
-            raise CheckpointError(f"{self.source.where(name)}: tensor {name} has {end - begin} bytes, expected {spec}")
-        if part is not None:
-            begin, shape[0] = begin + part.start * row_bytes, part.stop - part.start
-        nbytes, offset = row_bytes * (shape[0] if shape else 1), start + begin
-        staged = self._staging if self._staging is not None else device.type != "cpu"
-        if not staged:
-            raw = into if into is not None else torch.empty(nbytes, dtype=torch.uint8)
-            self._fill(fd, memoryview(raw.numpy()), offset, name)
-        else:
-            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            with self._read_lock:
-                stage = self._staging_buffer(device)
-                view = memoryview(stage.numpy())
-                for done in range(0, nbytes, len(view)):
-                    n = min(len(view), nbytes - done)
-                    self._fill(fd, view[:n], offset + done, name)
-                    raw[done : done + n].copy_(stage[:n])  # from page-locked memory; returns when done
-        return raw.view(spec.dtype).reshape(shape)
-
-    def _fill(self, fd: int, view: memoryview, offset: int, name: str) -> None:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.source.where(name)}: file ends inside tensor {name}")
-            done += n
-
-    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
-        if self._stage is None:
-            self._stage = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        return self._stage
-
-    def locate(self, name: str) -> tuple[int, int, int]:
-        """Where a tensor's bytes are in its shard: (open file descriptor, offset, length)."""
-        fd, start, header = self._shard(self.source.weight_map[name])
-        begin, end = header[name]["data_offsets"]
-        return fd, start + begin, end - begin
-
-    def _shard(self, shard: str) -> tuple[int, int, dict[str, Any]]:
-        with self._lock:
-            known = self._shards.get(shard)
-            if known is None:
-                path = self.source.directory / shard
-                fd = os.open(path, os.O_RDONLY)
-                (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-                header = json.loads(os.pread(fd, size, 8))
-                known = self._shards[shard] = (fd, 8 + size, header)
-            return known
-
-    def close(self) -> None:
-        with self._lock:
-            for fd, _, _ in self._shards.values():
-                os.close(fd)
-            self._shards.clear()
-
-
-def check_parts(model: nn.Module, specs: dict[str, TensorSpec], parts: dict[str, Part], source: WeightSource) -> None:
-    """Every parameter of ``model`` present in ``specs`` with its shape (or its part's shape) and
-    dtype; raises CheckpointError naming the first that is not, before anything is read."""
-    for name, p in model.named_parameters():
-        hf = to_hf(name)
-        if hf not in specs:
-            want = TensorSpec(tuple(p.shape), p.dtype)
-            raise CheckpointError(f"{source.where(hf)}: tensor {hf} ({want}) is missing from the checkpoint")
-        found = specs[hf]
-        part = parts.get(name)
-        if part is not None:
-            shape = list(found.shape)
-            shape[part.dim] = part.stop - part.start
-            found = TensorSpec(tuple(shape), found.dtype)
-        check_tensor(hf, found, TensorSpec(tuple(p.shape), p.dtype), source.where(hf))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -282,10 +132,6 @@ class StreamEvent:
     bytes_read: int  # so far, read-ahead included
     seconds: float  # since the stream started
     unit: UnitStats
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 ProgressFn = Callable[[StreamEvent], None]
@@ -370,7 +216,7 @@ class Streamer:
         if on_meta:
             raise ValueError(f"streaming needs a model built on the meta device; {on_meta[0]} holds a tensor")
         self._reader = TensorReader(self.source)
-        check_parts(self.model, self._reader.specs, self.parts, self.source)
+        validate(self.model, self.source, parts=self.parts)
         self._chain = [self._unit("embed", model.embed)]
         for i, block in enumerate(model.layers):
             unit = self._unit(f"layers.{i}", block, skip=".ffn.experts.")
@@ -637,15 +483,15 @@ def stream_forward(
 
 
 def print_progress(out: TextIO | None = None, width: int = 24) -> ProgressFn:
-    """A one-line progress bar: step, bytes read, throughput, elapsed (for the command line)."""
-    stream = out or sys.stderr
+    """The steps on the progress bar (:class:`~model.progress.ProgressBar`): step, bytes read,
+    throughput, elapsed; one line per forward."""
+    bar = ProgressBar(0, out, width=width)
 
     def show(e: StreamEvent) -> None:
-        filled = round(width * e.step / e.total)
-        bar = "#" * filled + "." * (width - filled)
-        line = f"\r[{bar}] {e.step}/{e.total} {e.name:<10} {e.bytes_read / 1e9:8.2f} GB  {e.gbps:6.2f} GB/s  {e.seconds:7.1f} s"
-        stream.write(line + ("\n" if e.step == e.total else ""))
-        stream.flush()
+        bar.total = e.total
+        bar.update(e.step, e.name, e.bytes_read, e.seconds)
+        if e.step == e.total:
+            bar.close()
 
     return show
 
@@ -693,10 +539,8 @@ __all__ = [
     "StreamEvent",
     "StreamStats",
     "Streamer",
-    "TensorReader",
     "UnitStats",
     "available_memory",
-    "check_parts",
     "model_bytes",
     "print_progress",
     "should_stream",

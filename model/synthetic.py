@@ -44,10 +44,10 @@ def synthetic_source(config: str | os.PathLike, n_layers: int | None = None, see
 class SyntheticSource(WeightSource):
     """Deterministic tensors for every name :func:`expected_specs` lists for ``args``."""
 
-    def __init__(self, args: ModelArgs, seed: int = 0, gate_bias: bool | None = None):
+    def __init__(self, args: ModelArgs, seed: int = 0):
         self.args = args
         self.seed = seed
-        self._specs = expected_specs(args, gate_bias)
+        self._specs = expected_specs(args)
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs

@@ -45,7 +45,6 @@ class Block(nn.Module):
         args: ModelArgs,
         dtype: torch.dtype = torch.bfloat16,
         weight_dtype: torch.dtype = torch.bfloat16,
-        gate_bias: bool | None = None,
     ):
         super().__init__()
         linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
@@ -55,7 +54,7 @@ class Block(nn.Module):
         if layer_id < args.n_dense_layers:
             self.ffn = MLP(args.dim, args.inter_dim, linear, args.scale_fmt)
         else:
-            self.ffn = MoE(args, weight_dtype, gate_bias)
+            self.ffn = MoE(args, weight_dtype)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.resid_pre = HookPoint("B T D")  # x_n, the stream entering the block (float32 sum)
@@ -121,13 +120,12 @@ class Transformer(nn.Module):
         args: ModelArgs,
         dtype: torch.dtype = torch.bfloat16,
         weight_dtype: torch.dtype = torch.bfloat16,
-        gate_bias: bool | None = None,
     ):
         super().__init__()
         self.args = args
         self.dtype = dtype
         self.embed = Embedding(args.vocab_size, args.dim, weight_dtype)
-        self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype, gate_bias) for i in range(args.n_layers)])
+        self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype) for i in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # float32 as the reference holds it (the checkpoint stores bf16): logits are formed in float32
         self.head = Linear(args.dim, args.vocab_size, torch.float32)

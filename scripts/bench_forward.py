@@ -56,21 +56,20 @@ import types
 from pathlib import Path
 from unittest import mock
 
-# libgomp's default wait policy spins at every parallel region's barrier; on this 2-core machine, with
-# a training job on the other core, 2 threads then run the demo's forward ~100x slower than 1 thread
-# (7.5 s instead of 75 ms), and the numbers measure scheduler luck. PASSIVE lets waiting threads sleep.
-# It must be set before torch loads libgomp; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch
-import torch.nn.functional as F
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+# First: importing model sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp. With the default spinning, on a
+# 2-core machine with a training job on the other core, 2 threads ran the demo's forward ~100x slower than 1 thread
+# and the numbers measured scheduler luck; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
+from model import ModelArgs  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 from model import fp8, ops  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
 from model.linear import Linear  # noqa: E402
 from model.moe import MLP, MoE  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402

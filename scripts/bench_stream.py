@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from model.checkpoint import SafetensorsSource, build_model, save_checkpoint  # noqa: E402
+from model.checkpoint import SafetensorsSource, TensorReader, build_model, save_checkpoint  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.names import layer_of  # noqa: E402
-from model.stream import Streamer, TensorReader, stream_forward  # noqa: E402
+from model.stream import Streamer, stream_forward  # noqa: E402
 from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
 
 CONFIG = REPO / "assets" / "configs" / "config_671B_hf.json"
@@ -138,7 +138,7 @@ def reset_peak_rss() -> bool:
 
 def streamed(source: SafetensorsSource, tokens: torch.Tensor, expert_window: int) -> dict:
     """A streamed prefill: reads and the CPU forward, overlapped by the read-ahead thread."""
-    model = build_model(source.args, torch.bfloat16, gate_bias=source.has_gate_bias)
+    model = build_model(source.args, torch.bfloat16)
     base = _status("VmRSS")
     reset = reset_peak_rss()
     t = time.perf_counter()
@@ -165,7 +165,7 @@ def streamed(source: SafetensorsSource, tokens: torch.Tensor, expert_window: int
 
 def load_only(source: SafetensorsSource, picked: dict[int, list[int]], expert_window: int) -> dict:
     """The same schedule (same blocks, same picked experts) through the same streamer, no forward."""
-    model = build_model(source.args, torch.bfloat16, gate_bias=source.has_gate_bias)
+    model = build_model(source.args, torch.bfloat16)
     reset = reset_peak_rss()
     t = time.perf_counter()
     with Streamer(model, source, "cpu", expert_window=expert_window) as streamer:

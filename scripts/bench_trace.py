@@ -26,8 +26,8 @@ Targets (issue 3): trace_default within 1.15x of untraced; hooks present but not
 (noop_hooks) within 1.02x; ``tracing.tables.export`` of all tables of the trace under 2 s (timed
 for the default trace, the one the target names, and for the record='all' trace).
 
-If the checkpoint cannot be opened (the demo is being trained and may not exist yet), a synthetic
-model of the demo's architecture is used instead, and the JSON says so.
+If the checkpoint cannot be opened, a synthetic model of the demo's architecture
+(assets/demo/config.json) is used instead, and the JSON says so.
 """
 
 from __future__ import annotations
@@ -41,23 +41,21 @@ import tempfile
 import time
 from pathlib import Path
 
-# libgomp's default wait policy spins at every parallel region's barrier; on this 2-core machine, with
-# a training job on the other core, 2 threads then run the demo's forward ~100x slower than 1 thread
-# (7.5 s instead of 75 ms), and the numbers measure scheduler luck. PASSIVE lets waiting threads sleep.
-# It must be set before torch loads libgomp; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+
+# First: importing model sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp. With the default spinning, on a
+# 2-core machine with a training job on the other core, 2 threads ran the demo's forward ~100x slower than 1 thread
+# and the numbers measured scheduler luck; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
+from model import ModelArgs  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
-from model.config import ModelArgs  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 from tracing import tables  # noqa: E402
-from tracing.loading import open_checkpoint  # noqa: E402
+from tracing.loading import DEMO, open_checkpoint  # noqa: E402
 from tracing.runner import trace_tokens  # noqa: E402
 from tracing.sites import DEFAULT_PATTERNS, hook_points  # noqa: E402
 from tracing.tracer import Tracer  # noqa: E402
@@ -82,59 +80,19 @@ def load_average() -> list[float] | None:
         return None
 
 
-def demo_args() -> tuple[ModelArgs, str]:
-    """The demo's architecture: scripts/train_demo.py's DEMO_ARGS, or a copy if it cannot be imported."""
-    try:
-        from train_demo import DEMO_ARGS
-
-        return DEMO_ARGS, "scripts/train_demo.py DEMO_ARGS"
-    except Exception:  # the training script may be mid-edit; keep a copy of its architecture
-        args = ModelArgs(
-            vocab_size=8192,
-            dim=256,
-            inter_dim=512,
-            moe_inter_dim=128,
-            n_layers=4,
-            n_dense_layers=1,
-            n_heads=4,
-            n_routed_experts=16,
-            n_shared_experts=1,
-            n_activated_experts=2,
-            n_expert_groups=4,
-            n_limited_groups=2,
-            score_func="sigmoid",
-            route_scale=2.5,
-            gate_bias=True,
-            q_lora_rank=128,
-            kv_lora_rank=128,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=32,
-            v_head_dim=64,
-            max_seq_len=512,
-            original_seq_len=512,
-            rope_factor=1.0,
-            index_n_heads=4,
-            index_head_dim=128,
-            index_topk=32,
-            dtype="fp8",
-            scale_fmt="ue8m0",
-        )
-        return args, "a copy of the demo architecture in bench_trace.py"
-
-
 def open_model(checkpoint: str, dtype: torch.dtype, n_tokens: int) -> tuple[torch.nn.Module, list[int], dict]:
     """The model, the prompt's token ids (exactly n_tokens) and a description of what was used."""
     try:
         loaded = open_checkpoint(checkpoint, dtype=dtype)
     except Exception as exc:  # a missing / half-written checkpoint: fall back, and say so
-        args, where = demo_args()
+        args = ModelArgs.from_file(DEMO / "config.json")
         model = load_model(SyntheticSource(args, seed=SEED), dtype=dtype)
         gen = torch.Generator().manual_seed(SEED)
         ids = torch.randint(0, args.vocab_size, (n_tokens,), generator=gen).tolist()
         info = {
             "model": "synthetic fallback",
             "why": f"--checkpoint {checkpoint!r} could not be opened: {type(exc).__name__}: {exc}",
-            "architecture": where,
+            "architecture": "assets/demo/config.json",
             "note": "random weights of the demo's architecture (not the trained demo): routing and index scores are "
             "not a trained model's, but the trace's sizes and the work per site are the same",
             "prompt": f"{n_tokens} random token ids",

@@ -222,7 +222,7 @@ def write_card(out: Path, figures: dict, recipe: dict) -> None:
 
     real = ModelArgs.from_file(REPO / "assets" / "configs" / "config_671B_hf.json")
     demo = ModelArgs.from_file(out / "config.json")
-    counts = {"demo": count_params(demo, True), "671B": count_params(real, True)}
+    counts = {"demo": count_params(demo), "671B": count_params(real)}
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "README.md")
     (out / "README.md").write_text(demo_card.render(card, counts, size))
 

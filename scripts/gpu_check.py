@@ -4,7 +4,7 @@ Synthetic FP8 weights with the real names and shapes (model.synthetic.SyntheticS
 the device), all blocks streamed (model.stream), forward hooks on the default trace sites copying
 each value to the CPU. Reports per-block compute time, weight generation time and bytes per
 second, peak GPU memory and peak host memory; checks the recorded values against the trace
-contract of DESIGN.md (names, shapes, dtypes, -inf / -1 conventions); prints one JSON object and
+contract of docs/architecture.md (names, shapes, dtypes, -inf / -1 conventions); prints one JSON object and
 exits 1 when a check fails (or the time target is missed).
 
 On one H200 (no network needed):
@@ -45,7 +45,7 @@ DEFAULT_CONFIG = REPO / "assets" / "configs" / "config_671B_hf.json"
 
 
 def trace_sites(args: ModelArgs) -> list[str]:
-    """The default trace sites of DESIGN.md for this config."""
+    """The default trace sites (docs/architecture.md) for this config."""
     names = []
     for i in range(args.n_layers):
         names += [f"layers.{i}.resid_pre", f"layers.{i}.resid_mid", f"layers.{i}.resid_post"]
@@ -128,7 +128,7 @@ def run(opts: argparse.Namespace) -> dict:
     if opts.n_layers is not None:
         args = truncate_layers(args, opts.n_layers)
     source = SyntheticSource(args, seed=opts.seed)
-    model = build_model(args, torch.bfloat16, gate_bias=source.has_gate_bias)
+    model = build_model(args, torch.bfloat16)
     tokens = torch.randint(0, args.vocab_size, (1, opts.tokens), generator=torch.Generator().manual_seed(opts.seed))
 
     trace: dict[str, torch.Tensor] = {}

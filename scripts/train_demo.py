@@ -61,45 +61,14 @@ from model.rope import apply_rotary_emb  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 
 SEED = 1234
-VOCAB = 4096
-SEQ_LEN = 256
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
-# The demo's architecture: every V3.2 mechanism, at widths that are multiples of the 128 FP8 block.
-DEMO_ARGS = ModelArgs(
-    vocab_size=VOCAB,
-    dim=256,
-    inter_dim=512,
-    moe_inter_dim=128,
-    n_layers=4,
-    n_dense_layers=1,
-    n_heads=4,
-    norm_eps=1e-6,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    n_activated_experts=2,
-    n_expert_groups=4,
-    n_limited_groups=2,
-    score_func="sigmoid",
-    route_scale=2.5,
-    gate_bias=True,
-    q_lora_rank=128,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=64,
-    max_seq_len=SEQ_LEN,  # = original_seq_len: plain RoPE, no YaRN (the model never saw longer text)
-    original_seq_len=SEQ_LEN,
-    rope_theta=10000.0,
-    rope_factor=1.0,
-    index_n_heads=4,
-    index_head_dim=128,
-    index_topk=64,
-    dtype="fp8",
-    scale_fmt="ue8m0",
-    bos_token_id=0,
-    eos_token_id=1,
-)
+# The demo's architecture is its committed config: every V3.2 mechanism at widths that are multiples of the 128 FP8
+# block; max_position_embeddings is the training window and there is no rope_scaling (plain RoPE, no YaRN: the model
+# never saw longer text). Another architecture is another assets/demo/config.json.
+DEMO_ARGS = ModelArgs.from_file(REPO / "assets" / "demo" / "config.json")
+VOCAB = DEMO_ARGS.vocab_size
+SEQ_LEN = DEMO_ARGS.max_seq_len
 
 MINUTES = 80.0  # default training budget: about 85 minutes in all on an idle 2-core machine
 BATCH = 16
@@ -385,7 +354,7 @@ def export_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     """The trained float weights in the checkpoint's names and dtypes: FP8 e4m3 + ue8m0 block scales
     where the real checkpoint has FP8, bfloat16 or float32 elsewhere."""
     trained = hf_state_dict(model)
-    specs = expected_specs(DEMO_ARGS, gate_bias=True)
+    specs = expected_specs(DEMO_ARGS)
     out = {}
     for name, spec in specs.items():
         if name.endswith("weight_scale_inv"):
@@ -428,7 +397,7 @@ def load_float(path: Path, args: ModelArgs | None = None) -> Transformer:
         def load(self, name, device="cpu"):
             return self.handle.get_tensor(name).to(device)
 
-    model = build_model(args, torch.float32, gate_bias=True, weight_dtype=torch.float32)
+    model = build_model(args, torch.float32, weight_dtype=torch.float32)
     materialize(model, _File())
     return model.eval()
 

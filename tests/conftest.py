@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
+from model import TINY  # first: importing model sets OMP_WAIT_POLICY, which torch reads when it loads
 
-# idle OpenMP threads sleep rather than spin (as the CLI and app set it): on a busy machine spinning
-# threads slow a small model's forward by orders of magnitude. Before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# isort: split
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from model import TINY  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint
 from model.synthetic import SyntheticSource
 
@@ -48,14 +44,14 @@ def tokens() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def app_checkpoint(tmp_path_factory) -> str:
     """The bundled demo, or a tiny checkpoint with a tokenizer while assets/demo is absent."""
-    from app.devcheckpoint import demo_or_dev_checkpoint
+    from tests.devcheckpoint import demo_or_dev_checkpoint
 
     return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
 
 
 @pytest.fixture(scope="module")
 def keep_torch_threads():
-    """The app runs a small model on one CPU thread (app.state._set_threads); give the rest of the
+    """The app runs a small model on one CPU thread (app.core.models._set_threads); give the rest of the
     test session its threads back."""
     threads = torch.get_num_threads()
     yield

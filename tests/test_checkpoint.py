@@ -92,7 +92,7 @@ def test_every_loaded_parameter_equals_its_checkpoint_tensor(tmp_path, args):
 def test_reading_specs_does_not_load_tensors(tiny_checkpoint):
     source = SafetensorsSource(tiny_checkpoint)
     assert len(source.specs()) == len(source.weight_map)
-    assert source.has_gate_bias
+    assert source.args.has_gate_bias
 
 
 def _copy(tiny_checkpoint, tmp_path) -> Path:

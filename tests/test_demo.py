@@ -105,7 +105,7 @@ def test_every_v32_mechanism_is_on():
 def test_fp8_weights_and_ue8m0_scales():
     source = SafetensorsSource(DEMO)
     specs = source.specs()
-    want = expected_specs(source.args, gate_bias=True)
+    want = expected_specs(source.args)
     assert set(specs) == set(want)
     n_fp8 = 0
     for name, spec in specs.items():

@@ -108,7 +108,7 @@ def worker(out: Path, cases: dict[str, str]) -> None:
         loaded = load_model(source)  # loaded whole, then split (each rank keeps its part)
         lplan = parallelize(loaded)
         split_after = record(loaded, lplan, loaded, tokens)
-        streamed_model = build_model(source.args, gate_bias=source.has_gate_bias)
+        streamed_model = build_model(source.args)
         splan = parallelize(streamed_model)
         streamed = record(streamed_model, splan, stream_forward, streamed_model, source, tokens, "cpu", plan=splan)
         if ctx.rank == 0:

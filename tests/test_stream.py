@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from model import TINY
-from model.checkpoint import SafetensorsSource, WeightSource, build_model, load_model
+from model.checkpoint import SafetensorsSource, TensorReader, WeightSource, build_model, load_model
 from model.hooks import HookPoint
-from model.stream import Streamer, TensorReader, model_bytes, should_stream, stream_forward
+from model.stream import Streamer, model_bytes, should_stream, stream_forward
 from model.synthetic import SyntheticSource, synthetic_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def run_loaded(model, tokens, **kw):
 
 
 def run_streamed(source, tokens, **kw):
-    model = build_model(source.args, gate_bias=source.has_gate_bias)
+    model = build_model(source.args)
     store, handles = every_hook_point(model)
     all_logits = kw.pop("all_logits", False)
     logits, stats = stream_forward(model, source, tokens, "cpu", all_logits=all_logits, **kw)
@@ -108,7 +108,7 @@ def test_streaming_a_synthetic_source_and_reading_shards_directly_agree(tiny_sou
 def test_only_the_picked_experts_are_read_once_each(tiny_source, tokens):
     tokens = tokens[:, :3]  # 3 tokens pick at most 12 of the 16 experts of a block
     source = CountingSource(tiny_source)
-    model = build_model(TINY, gate_bias=True)
+    model = build_model(TINY)
     picked = {}
     for i in (1, 2):
 
@@ -143,7 +143,7 @@ def test_progress_reports_every_block_with_bytes_and_the_model_is_freed_after_an
     assert all(a.bytes_read <= b.bytes_read for a, b in zip(events, events[1:], strict=False))
     assert events[2].unit.experts > 0 and events[1].unit.experts == 0  # layer 1 is MoE, layer 0 dense
 
-    model = build_model(TINY, gate_bias=True)
+    model = build_model(TINY)
 
     def boom(m, i, o):
         raise RuntimeError("boom")
@@ -160,7 +160,7 @@ def test_streaming_needs_a_meta_model_and_names_a_missing_tensor(tiny_model, tin
         with Streamer(tiny_model, SyntheticSource(TINY)):
             pass
     bad = SyntheticSource(TINY.replace(n_layers=2))  # has no layers.2
-    model = build_model(TINY, gate_bias=True)
+    model = build_model(TINY)
     with pytest.raises(Exception, match=r"model\.layers\.2\.\S+ .* is missing"):
         stream_forward(model, bad, tokens, "cpu")
 
@@ -216,7 +216,7 @@ def test_replay_reads_what_a_forward_reads_without_computing(tiny_source, tokens
     for name in stats.reads:
         if ".experts." in name:
             picked.setdefault(int(name.split(".")[2]), set()).add(int(name.split(".")[5]))
-    model = build_model(TINY, gate_bias=True)
+    model = build_model(TINY)
     with Streamer(model, tiny_source) as streamer:
         streamer.replay({i: sorted(js) for i, js in picked.items()})
     assert streamer.stats.reads == stats.reads and streamer.stats.bytes_read == stats.bytes_read

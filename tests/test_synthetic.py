@@ -80,7 +80,7 @@ def test_every_671b_tensor_has_the_name_shape_and_dtype_the_loader_expects(real_
     assert set(made) == {n for n in real_names if not n.startswith("model.layers.61.")}  # MTP layer skipped
     for name, spec in REAL.items():
         assert made[name] == spec, name
-    model = build_model(truncate_layers(real_args, 6), gate_bias=real_source.has_gate_bias)
+    model = build_model(truncate_layers(real_args, 6))
     want = {to_hf(name): (tuple(p.shape), stored_dtype(name, p.dtype)) for name, p in model.named_parameters()}
     assert validate(model, real_source)  # the loader's own check
     for name, spec in made.items():
@@ -143,7 +143,7 @@ def test_values_are_deterministic_and_scaled_like_trained_weights():
 def test_real_width_pieces_load_and_run(real_args, real_source):
     """A real-width router, expert and indexer projection from the synthetic 671B source, on the CPU."""
     args = truncate_layers(real_args, 4)
-    model = build_model(args, gate_bias=True)
+    model = build_model(args)
     moe = model.layers[3].ffn
     read = materialize(moe.gate, real_source, "cpu", prefix="layers.3.ffn.gate")
     read += materialize(moe.experts[0], real_source, "cpu", prefix="layers.3.ffn.experts.0")

@@ -1,10 +1,7 @@
-import os
 import sys
 
-# Idle OpenMP threads sleep instead of spinning: on a busy 2-core machine spinning threads made a
-# small model's forward 75x slower. Set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import model  # noqa: F401  first: the package sets OMP_WAIT_POLICY, which torch reads when it loads
 
-from .cli import main  # noqa: E402
+from .cli import main
 
 sys.exit(main())

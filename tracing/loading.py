@@ -82,7 +82,7 @@ def open_source(
     if stream is None:
         stream = should_stream(source, device)
     if stream:
-        model = build_model(source.args, dtype, gate_bias=source.has_gate_bias)
+        model = build_model(source.args, dtype)
         plan = parallel.parallelize(model) if dist is not None else None
         return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
     if dist is not None:
