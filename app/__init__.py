@@ -1,3 +1,10 @@
-"""The Streamlit explorer: ``streamlit run app/main.py``. main.py routes; views/ holds one module per
-page; state.py the model, the trace store and the session; cards.py the component cards (content in
-assets/cards/); shaping.py cuts arrays from a trace; plots.py draws them; widgets.py the shared pieces."""
+"""The Streamlit explorer: ``streamlit run app/main.py``, organised by feature.
+
+core/     what every page stands on: settings (environment), models (the model cache), traces (the
+          trace store and TraceKey), session (one browser session, View), errors
+topics/   one module per topic, its data shaping (no Streamlit) and its figures together: model_map,
+          residual, predictions, attention, router, experts, interventions, export, cards (content)
+          and card_plots (each card's live plot); tokens, arrays and figures are shared by them
+views/    the pages, which only lay out widgets (app.pages lists them; no page imports another)
+main.py routes; sidebar.py, widgets.py, card_view.py and comparison.py are Streamlit pieces pages share.
+"""

@@ -4,19 +4,24 @@ session shows; messages (errors, progress) go to the ``notices`` container at th
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import streamlit as st
 
-from app import shaping, state
-from app.widgets import escape_md
+from tracing.nonfinite import first_nonfinite
+
+from .core import settings
+from .core.errors import BAD_INPUT
+from .core.models import OpenModel, open_model
+from .core.session import SOURCES, current_entry
+from .core.traces import TraceKey, open_upload, store, trace_prompt
+from .widgets import escape_md
 
 SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "upload": "Trace file"}
 
 
 def _source_label(value: str) -> str:
-    default = state.default_checkpoint()
+    default = settings.default_checkpoint()
     if value == "demo" and default != "demo":
         return f"Default checkpoint ({Path(default).name})"
     return SOURCE_LABELS[value]
@@ -28,7 +33,7 @@ def render(notices) -> None:
         st.markdown("#### Model")
         source = st.radio(
             "Model source",
-            state.SOURCES,
+            SOURCES,
             key="source",
             format_func=_source_label,
             help="The bundled demo is a tiny trained DeepSeek-V3.2 with every mechanism of the real one. "
@@ -49,12 +54,12 @@ def render(notices) -> None:
                 max_chars=20_000,
                 disabled=om is None,
                 label_visibility="collapsed",
-                help=f"Up to {state.max_tokens()} tokens.",
+                help=f"Up to {settings.max_tokens()} tokens.",
             )
             with st.expander("Run options"):
                 st.radio(
                     "Activation dtype",
-                    state.DTYPES,
+                    settings.DTYPES,
                     key="dtype",
                     horizontal=True,
                     help="bfloat16 as the reference; float32 shows the same computation without its rounding",
@@ -69,7 +74,7 @@ def render(notices) -> None:
 
 def _model_source(source: str, notices):
     value = (
-        state.default_checkpoint()
+        settings.default_checkpoint()
         if source == "demo"
         else st.text_input(
             "Checkpoint directory",
@@ -83,8 +88,8 @@ def _model_source(source: str, notices):
         st.caption("Type the path of a checkpoint directory and press Enter.")
         return None
     try:
-        om = state.open_model(value, st.session_state["dtype"])
-    except state.BAD_INPUT as exc:
+        om = open_model(value, st.session_state["dtype"])
+    except BAD_INPUT as exc:
         notices.error(f"**Checkpoint not loaded.** {escape_md(str(exc))}", icon=":material/error:")
         return None
     st.caption(
@@ -98,7 +103,7 @@ def _model_source(source: str, notices):
 
 def _roots_help() -> str:
     """Where this server looks for checkpoints, when its operator restricted it (ANATOMY_CHECKPOINT_ROOTS)."""
-    named = [part.strip() for part in os.environ.get(state.ENV_CHECKPOINT_ROOTS, "").split(os.pathsep) if part.strip()]
+    named = settings.named_roots()
     return ". This server opens checkpoints only under: " + ", ".join(escape_md(p) for p in named) if named else ""
 
 
@@ -108,7 +113,7 @@ def _upload_source(notices) -> None:
         "Trace file",
         type=["safetensors"],
         key="upload",
-        max_upload_size=max(1, min(server_mb, math.ceil(state.max_upload_bytes() / 2**20))),
+        max_upload_size=max(1, min(server_mb, math.ceil(settings.max_upload_bytes() / 2**20))),
         help="A trace written by `python -m tracing run ... --out trace.safetensors` or downloaded from the Export page.",
     )
     if upload is None:
@@ -118,22 +123,21 @@ def _upload_source(notices) -> None:
         )
         return
     try:
-        entry = state.open_upload(upload.getvalue(), upload.name)
-    except state.BAD_INPUT as exc:
+        entry = open_upload(upload.getvalue(), upload.name)
+    except BAD_INPUT as exc:
         notices.error(f"**Trace file not opened.** {escape_md(str(exc))}", icon=":material/error:")
         return
     st.session_state["trace_key"] = entry.key
 
 
-def _trace(om: state.OpenModel, run: bool, notices) -> None:
+def _trace(om: OpenModel, run: bool, notices) -> None:
     """Trace on the button, on first load, and when the model changed under the shown trace."""
     key = st.session_state.get("trace_key")
-    same_model = key is not None and key[0] == "model" and key[1] == str(om.path) and key[2] == om.dtype
-    if not run and same_model:
+    if not run and key is not None and key.on(om):
         return
     prompt = st.session_state.get("prompt", "")
-    if state.store().get(state.model_key(om, prompt)) is not None:
-        st.session_state["trace_key"] = state.model_key(om, prompt)
+    if store().get(TraceKey.for_prompt(om, prompt)) is not None:
+        st.session_state["trace_key"] = TraceKey.for_prompt(om, prompt)
         return
     bar = notices.progress(0.0, text="Tracing…")
     n = om.args.n_layers
@@ -142,8 +146,8 @@ def _trace(om: state.OpenModel, run: bool, notices) -> None:
         bar.progress(i / n, text=f"Tracing block {i} ({i + 1} of {n})…")
 
     try:
-        entry = state.trace_prompt(om, prompt, on_block)
-    except state.BAD_INPUT as exc:
+        entry = trace_prompt(om, prompt, on_block)
+    except BAD_INPUT as exc:
         bar.empty()
         notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
         return
@@ -151,28 +155,28 @@ def _trace(om: state.OpenModel, run: bool, notices) -> None:
     st.session_state["trace_key"] = entry.key
 
 
-def _ensure_current(om: state.OpenModel | None, notices) -> None:
+def _ensure_current(om: OpenModel | None, notices) -> None:
     """The store may have dropped this session's trace (other sessions filled it): make it again."""
     key = st.session_state.get("trace_key")
-    if key is None or state.store().get(key) is not None:
+    if key is None or store().get(key) is not None:
         return
-    if key[0] == "model" and len(key) > 4:  # one with patches or interventions is its page's to make:
-        key = st.session_state["trace_key"] = key[:4]  # show its baseline instead
-        if state.store().get(key) is not None:
+    if key.traced and key.variant is not None:  # one with patches or interventions is its page's to make:
+        key = st.session_state["trace_key"] = key.plain  # show its baseline instead
+        if store().get(key) is not None:
             return
-    if key[0] == "model":  # a plain trace
+    if key.traced:
         try:
-            model = om if om is not None and str(om.path) == key[1] and om.dtype == key[2] else state.open_model(key[1], key[2])
-            state.trace_prompt(model, key[3])
+            model = om if om is not None and key.on(om) else open_model(key.checkpoint, key.dtype)
+            trace_prompt(model, key.prompt)
             return
-        except state.BAD_INPUT as exc:
+        except BAD_INPUT as exc:
             notices.error(f"**The trace could not be made again.** {escape_md(str(exc))}", icon=":material/error:")
     upload = st.session_state.get("upload")
-    if key[0] == "upload" and upload is not None:
+    if not key.traced and upload is not None:
         try:
-            state.open_upload(upload.getvalue(), upload.name)
+            open_upload(upload.getvalue(), upload.name)
             return
-        except state.BAD_INPUT:
+        except BAD_INPUT:
             pass
     st.session_state["trace_key"] = None
 
@@ -180,10 +184,11 @@ def _ensure_current(om: state.OpenModel | None, notices) -> None:
 def _nonfinite_notice(notices) -> None:
     """Say where a trace's NaN or infinities begin: the pages still draw it, with gaps and odd colours
     from there on, and the first bad site is where to look for the cause."""
-    entry = state.current_entry()
+    entry = current_entry()
     if entry is None:
         return
-    bad = entry.memo("nonfinite", lambda: shaping.first_nonfinite(entry.trace))
+    trace = entry.trace
+    bad = entry.memo("nonfinite", lambda: first_nonfinite(trace.tensors, trace.config, trace.n_tokens))
     if bad is None:
         return
     at = "" if bad.position is None else f" at position {bad.position}"
@@ -195,7 +200,7 @@ def _nonfinite_notice(notices) -> None:
 
 
 def _block_selector() -> None:
-    entry = state.current_entry()
+    entry = current_entry()
     st.markdown("#### Block")
     if entry is None:
         st.caption("No trace yet.")

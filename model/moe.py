@@ -5,6 +5,9 @@ Shapes: N tokens (B * T flattened), D dim, E routed experts, G expert groups, k 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,12 +43,77 @@ class Expert(MLP):
     """One routed expert: a SwiGLU MLP of width moe_inter_dim."""
 
 
-class Gate(nn.Module):
-    """The router: sigmoid (or softmax) scores s, the correction bias b used only to choose
-    (groups ranked by the sum of their top-2 biased scores, then the top-k experts inside the
-    chosen groups), gating weights from the unbiased scores, normalised, times route_scale."""
+class RouterRule(NamedTuple):
+    """The router's settings, as ``Gate`` holds them."""
 
-    def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16, bias: bool | None = None):
+    n_groups: int  # G expert groups
+    topk_groups: int  # groups a token may use
+    topk: int  # k experts per token
+    score_func: str  # sigmoid | softmax
+    route_scale: float
+
+    @classmethod
+    def of(cls, args: ModelArgs) -> RouterRule:
+        return cls(args.n_expert_groups, args.n_limited_groups, args.n_activated_experts, args.score_func, args.route_scale)
+
+
+class Selection(NamedTuple):
+    """Each stage of one routing, named as the gate's hook points; the group stages are None with one group."""
+
+    scores: torch.Tensor  # (N, E) s
+    biased_scores: torch.Tensor  # (N, E) s + b: what selection ranks
+    group_scores: torch.Tensor | None  # (N, G)
+    groups: torch.Tensor | None  # (N, topk_groups)
+    topk_indices: torch.Tensor  # (N, k) best first
+    topk_weights: torch.Tensor  # (N, k) float32
+
+
+def _unobserved(name: str, value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+def select_experts(
+    scores: torch.Tensor,
+    bias: torch.Tensor | None,
+    rule: RouterRule,
+    at: Callable[[str, torch.Tensor], torch.Tensor] = _unobserved,
+) -> Selection:
+    """The reference's routing rule from the scores on, in one copy so that the model, the app's
+    what-if of the bias and the no-bias intervention cannot drift apart.
+
+    The bias only chooses: groups are ranked by the sum of their top-2 biased scores (by their best
+    score when there is no bias), the top-k experts are taken inside the chosen groups, and the
+    weights come from the unbiased ``scores``, normalised for sigmoid, times route_scale. Ties go to
+    the lower index (``ops.topk``). ``at(stage, value)`` sees each stage's value as it is made and
+    may return another, which the later stages then use: the gate passes its hook points.
+    """
+    n = scores.size(0)
+    biased = at("biased_scores", scores if bias is None else scores + bias)
+    group_scores = groups = None
+    ranked = biased
+    if rule.n_groups > 1:
+        grouped = biased.view(n, rule.n_groups, -1)  # (N, G, E/G)
+        if bias is None:
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = topk(grouped, 2)[0].sum(dim=-1)
+        group_scores = at("group_scores", group_scores)  # (N, G)
+        groups = at("groups", topk(group_scores, rule.topk_groups)[1])  # (N, topk_groups)
+        mask = grouped.new_ones(n, rule.n_groups, dtype=torch.bool).scatter_(1, groups, False)
+        ranked = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)  # (N, E)
+    indices = at("topk_indices", topk(ranked, rule.topk)[1])  # (N, k)
+    weights = scores.gather(1, indices)
+    if rule.score_func == "sigmoid":
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = at("topk_weights", weights * rule.route_scale)  # (N, k) float32
+    return Selection(scores, biased, group_scores, groups, indices, weights)
+
+
+class Gate(nn.Module):
+    """The router: sigmoid (or softmax) scores s, then :func:`select_experts` with the correction
+    bias b (used only to choose), each stage through its hook point."""
+
+    def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.dim = args.dim
         self.topk = args.n_activated_experts
@@ -54,8 +122,7 @@ class Gate(nn.Module):
         self.score_func = args.score_func
         self.route_scale = args.route_scale
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=weight_dtype))
-        has_bias = args.has_gate_bias if bias is None else bias
-        self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32)) if has_bias else None
+        self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32)) if args.has_gate_bias else None
         self.scores = HookPoint("N E")  # s: affinities after sigmoid, before the bias
         self.biased_scores = HookPoint("N E")  # s + b: what selection ranks
         self.group_scores = HookPoint("N G")  # per-group score used to pick groups
@@ -66,38 +133,24 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float())  # (N, E)
         scores = scores.softmax(dim=-1) if self.score_func == "softmax" else scores.sigmoid()
-        original_scores = scores = self.scores(scores)
-        if self.bias is not None:
-            scores = scores + self.bias
-        scores = self.biased_scores(scores)
-        if self.n_groups > 1:
-            scores = scores.view(x.size(0), self.n_groups, -1)  # (N, G, E/G)
-            if self.bias is None:
-                group_scores = scores.amax(dim=-1)
-            else:
-                group_scores = topk(scores, 2)[0].sum(dim=-1)
-            group_scores = self.group_scores(group_scores)  # (N, G)
-            groups = self.groups(topk(group_scores, self.topk_groups)[1])  # (N, topk_groups)
-            mask = scores.new_ones(x.size(0), self.n_groups, dtype=torch.bool).scatter_(1, groups, False)
-            scores = scores.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)  # (N, E)
-        indices = self.topk_indices(topk(scores, self.topk)[1])  # (N, k)
-        weights = original_scores.gather(1, indices)
-        if self.score_func == "sigmoid":
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = self.topk_weights(weights * self.route_scale)  # (N, k) float32
-        return weights, indices
+        rule = RouterRule(self.n_groups, self.topk_groups, self.topk, self.score_func, self.route_scale)
+        chosen = select_experts(self.scores(scores), self.bias, rule, at=self._hook_point)
+        return chosen.topk_weights, chosen.topk_indices
+
+    def _hook_point(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return getattr(self, name)(value)
 
 
 class MoE(nn.Module):
     """y = shared_experts(x) + sum over the chosen experts e of weight_e * expert_e(x)."""
 
-    def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16, gate_bias: bool | None = None):
+    def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
         self.dim = args.dim
         self.n_routed_experts = args.n_routed_experts
         self.n_activated_experts = args.n_activated_experts
-        self.gate = Gate(args, weight_dtype, gate_bias)
+        self.gate = Gate(args, weight_dtype)
         # an entry may be None where this process does not hold the expert (expert parallelism)
         self.experts = nn.ModuleList(
             [Expert(args.dim, args.moe_inter_dim, linear, args.scale_fmt) for _ in range(args.n_routed_experts)]

@@ -23,8 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from app import pages as app_pages  # noqa: E402
+
 APP = REPO / "app" / "main.py"
-PAGES = ["model_map", "anatomy", "residual", "attention", "router", "export"]
+PAGES = [p.name for p in app_pages.PAGES if p.name != "interventions"]
 TARGETS = {"cold_start_s": 8.0, "retrace_64_tokens_s": 1.5, "switch_s": 0.3}
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--browser", action="store_true", help="also measure the real server in chromium")
     args = parser.parse_args(argv)
 
-    from app.devcheckpoint import demo_available, demo_or_dev_checkpoint
+    from tests.devcheckpoint import demo_available, demo_or_dev_checkpoint
 
     checkpoint = args.checkpoint or demo_or_dev_checkpoint(Path(tempfile.gettempdir()) / "anatomy-bench")
     os.environ["ANATOMY_CHECKPOINT"] = checkpoint

@@ -12,19 +12,24 @@ import torch
 from safetensors.torch import save as save_tensors
 from streamlit.testing.v1 import AppTest
 
-from app import cards, shaping, state
+from app import pages
+from app.core import models, settings
+from app.core.session import View
+from app.core.traces import Entry, store
+from app.topics import cards, model_map
+from app.topics.router import bias_effect, moe_blocks
 from model.config import ModelArgs
 from tracing.tables import to_csv_bytes
 
 APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
-PAGES = ["model_map", "anatomy", "residual", "attention", "router", "export"]
+PAGES = [p.name for p in pages.PAGES if p.name != "interventions"]  # that one: tests/test_app_interventions.py
 REAL = ModelArgs.from_file(Path(__file__).resolve().parents[1] / "assets" / "configs" / "config_671B_hf.json")
 TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
 @pytest.fixture()
 def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
-    monkeypatch.setenv(state.ENV_CHECKPOINT, app_checkpoint)
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
@@ -39,8 +44,8 @@ def messages(elements) -> str:
     return " ".join(str(e.value) for e in elements).replace("\\", "")
 
 
-def shown_entry(at: AppTest) -> state.Entry:
-    entry = state.store().get(at.session_state["trace_key"])
+def shown_entry(at: AppTest) -> Entry:
+    entry = store().get(at.session_state["trace_key"])
     assert entry is not None
     return entry
 
@@ -49,7 +54,7 @@ def shown_entry(at: AppTest) -> state.Entry:
 def test_first_load_traces_the_default_prompt(app):
     assert not app.error, messages(app.error)
     entry = shown_entry(app)
-    assert entry.trace.prompt == state.DEFAULT_PROMPT and entry.trace.n_tokens > 10
+    assert entry.trace.prompt == settings.DEFAULT_PROMPT and entry.trace.n_tokens > 10
     assert app.latex and plotly_charts(app)
     assert any("Showing" in c.value and "tokens" in c.value for c in app.caption)
 
@@ -96,20 +101,20 @@ def test_router_page_recomputes_the_traced_selection(app):
     """The bias comparison re-runs the group-limited top-k from the recorded scores: on the traced
     biased scores it must give exactly the experts the model chose."""
     trace = shown_entry(app).trace
-    for block in shaping.moe_blocks(trace):
-        effect = shaping.bias_effect(trace, block)
+    for block in moe_blocks(trace):
+        effect = bias_effect(trace, block)
         assert effect is not None and effect.reproduced, block
 
 
 def test_index_scores_mark_the_rarer_of_selected_and_dropped_keys(app):
     """Where most visible keys are selected (the default prompt is longer than index_topk, but not
     twice), the plot crosses the dropped keys instead of circling nearly every cell."""
-    from app import card_plots
+    from app.topics import card_plots
 
     entry = shown_entry(app)
     n, k = entry.trace.n_tokens, entry.trace.config.index_topk
     for block in range(entry.trace.config.n_layers):
-        fig = card_plots.index_scores(state.View(entry, block), block)
+        fig = card_plots.index_scores(View(entry, block), block)
         marks = fig.data[-1]
         dropped = sum(max(0, t + 1 - k) for t in range(n))
         selected = sum(min(t + 1, k) for t in range(n))
@@ -132,7 +137,7 @@ def test_export_offers_every_table_with_its_csv_header(app):
         assert header in shown, name
     router = to_csv_bytes(tables["router"]).decode("utf-8").split("\r\n", 1)[0]
     assert router == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
-    assert to_csv_bytes(tables["tokens"]).decode("utf-8").startswith("position,token_id,token\r\n0,")
+    assert to_csv_bytes(tables["tokens"]).decode("utf-8").startswith("position,token_id,token,phase,generated\r\n0,")
     labels = [b.label for b in app.get("download_button")]
     assert labels.count("CSV") == len(tables) and labels.count("Parquet") == len(tables)
     assert "Trace file (.safetensors)" in labels
@@ -146,8 +151,8 @@ def trace_prompt(at: AppTest, prompt: str) -> AppTest:
 
 
 def test_missing_demo_says_how_to_get_one(monkeypatch, tmp_path):
-    monkeypatch.setenv(state.ENV_CHECKPOINT, "demo")
-    monkeypatch.setattr(state, "DEMO", tmp_path / "no-demo")
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, "demo")
+    monkeypatch.setattr(models, "DEMO", tmp_path / "no-demo")
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception
     assert "scripts/train_demo.py" in messages(at.error)
@@ -211,13 +216,13 @@ def test_corrupt_trace_upload_says_why(app, data, message):
 
 def test_uploaded_trace_is_viewable_with_no_model(app, tmp_path, monkeypatch):
     data = shown_entry(app).trace_bytes()
-    monkeypatch.setenv(state.ENV_CHECKPOINT, str(tmp_path / "no-model-here"))
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, str(tmp_path / "no-model-here"))
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert "no such directory" in messages(at.error)
     at.radio(key="source").set_value("upload").run()
     at.file_uploader(key="upload").set_value(("mine.safetensors", data, "application/octet-stream")).run()
     assert not at.error and not at.exception
-    assert at.session_state["trace_key"][0] == "upload"
+    assert at.session_state["trace_key"].source == "upload"
     for page in PAGES:
         at.switch_page(f"views/{page}.py").run()
         assert not at.exception, (page, [e.value for e in at.exception])
@@ -260,11 +265,11 @@ def test_parameter_counts_match_the_model():
 
     for args in (TINY, TINY.replace(n_dense_layers=0), TINY.replace(n_dense_layers=3)):
         want = count_params(args)
-        got = shaping.param_counts(args)
+        got = model_map.param_counts(args)
         assert got["total_params"] == want["total_params"] and got["activated_params"] == want["activated_params"]
         assert got["components"] == want["components"]
-        assert shaping.params_by_block(args)["params"].sum() == sum(want["per_layer"])
-    assert shaping.param_counts(REAL)["total_params"] == 671_877_944_064  # README's figure, without the MTP layer
+        assert model_map.params_by_block(args)["params"].sum() == sum(want["per_layer"])
+    assert model_map.param_counts(REAL)["total_params"] == 671_877_944_064  # README's figure, without the MTP layer
 
 
 def test_code_excerpts_are_the_current_source():
@@ -280,6 +285,7 @@ def test_code_excerpts_are_the_current_source():
 def fake_trace(args: ModelArgs, n_tokens: int, seed: int = 0):
     """A consistent random trace of any config (what the 671B gives, without running it): the router's
     and the indexer's selections are computed from the recorded scores as the model computes them."""
+    from model.moe import RouterRule, select_experts
     from tracing.sites import DEFAULT_PATTERNS, select, site_shape, site_shapes
     from tracing.trace import Trace
 
@@ -307,17 +313,9 @@ def fake_trace(args: ModelArgs, n_tokens: int, seed: int = 0):
         if args.is_moe(i):
             s = torch.rand(n_tokens, args.n_routed_experts, generator=g)
             b = torch.rand(args.n_routed_experts, generator=g) * 0.05
-            idx = torch.from_numpy(shaping.route((s + b).numpy(), args))
-            per = args.experts_per_group
-            grouped = (s + b).view(n_tokens, args.n_expert_groups, per)
-            group_scores = grouped.topk(2, -1).values.sum(-1)
-            w = s.gather(1, idx)
-            tensors[f"layers.{i}.ffn.gate.scores"] = s
-            tensors[f"layers.{i}.ffn.gate.biased_scores"] = s + b
-            tensors[f"layers.{i}.ffn.gate.group_scores"] = group_scores
-            tensors[f"layers.{i}.ffn.gate.groups"] = torch.from_numpy(shaping._top(group_scores.numpy(), args.n_limited_groups))
-            tensors[f"layers.{i}.ffn.gate.topk_indices"] = idx
-            tensors[f"layers.{i}.ffn.gate.topk_weights"] = w / w.sum(-1, keepdim=True) * args.route_scale
+            routed = select_experts(s, b, RouterRule.of(args))
+            for stage in ("scores", "biased_scores", "group_scores", "groups", "topk_indices", "topk_weights"):
+                tensors[f"layers.{i}.ffn.gate.{stage}"] = getattr(routed, stage)
     trace = Trace(tensors, args, [f"t{j}" for j in range(n_tokens)], "a trace of the real width")
     trace.validate()
     return trace

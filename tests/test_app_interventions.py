@@ -4,14 +4,16 @@ ablated expert is never chosen in the intervened trace, and bad input gives st.e
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app import state
-from tracing.interventions import AblateExperts, IndexTopK, NoGateBias
+from app.core import settings
+from app.core.traces import Entry, describe_interventions, store
+from tracing.interventions import AblateExperts, IndexTopK, NoGateBias, from_spec
 
 APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
 PAGE = "views/interventions.py"
@@ -20,7 +22,7 @@ TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 @pytest.fixture()
 def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
-    monkeypatch.setenv(state.ENV_CHECKPOINT, app_checkpoint)
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception, [e.value for e in at.exception]
     at.switch_page(PAGE).run()
@@ -52,18 +54,16 @@ def run(at: AppTest) -> AppTest:
     return at
 
 
-def baseline_entry(at: AppTest) -> state.Entry:
-    entry = state.store().get(at.session_state["trace_key"][:4])
+def baseline_entry(at: AppTest) -> Entry:
+    entry = store().get(at.session_state["trace_key"].plain)
     assert entry is not None
     return entry
 
 
-def intervened_entry(at: AppTest) -> state.Entry:
-    from app.views.interventions import build
-
+def intervened_entry(at: AppTest) -> Entry:
     result = at.session_state["iv_result"]
-    key = (*baseline_entry(at).key, state.describe_interventions(build(result["spec"])))
-    entry = state.store().get(key)
+    key = replace(baseline_entry(at).key, variant=describe_interventions(from_spec(result["spec"])))
+    entry = store().get(key)
     assert entry is not None
     return entry
 
@@ -198,7 +198,7 @@ def test_the_store_keys_tell_interventions_apart():
         [IndexTopK(4)],
         [AblateExperts({1: (3,)}), IndexTopK(4)],
     ]
-    keys = {state.describe_interventions(r) for r in runs}
+    keys = {describe_interventions(r) for r in runs}
     assert len(keys) == len(runs)
 
 
@@ -211,11 +211,11 @@ def test_an_evicted_intervened_trace_is_made_again(app):
     key = intervened_entry(app).key
     app.button(key="iv_show").click().run()
     assert app.session_state["trace_key"] == key
-    store = state.store()
-    with store._lock:
-        del store._entries[key]
+    traces = store()
+    with traces._lock:
+        del traces._entries[key]
     app.switch_page("views/router.py").run()
-    assert not app.exception and app.session_state["trace_key"] == key[:4]
+    assert not app.exception and app.session_state["trace_key"] == key.plain
     app.switch_page(PAGE).run()
     assert not app.exception and not app.error and metrics(app)
-    assert store.get(key) is not None
+    assert traces.get(key) is not None

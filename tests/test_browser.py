@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.devcheckpoint import demo_or_dev_checkpoint
+from tests.devcheckpoint import demo_or_dev_checkpoint
 
 pytestmark = pytest.mark.browser
 

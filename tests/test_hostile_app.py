@@ -14,14 +14,17 @@ import pytest
 from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
-from app import shaping, state
+from app import pages
+from app.core import settings
+from app.core.traces import store
+from app.topics.router import moe_blocks
 from model.config import ModelArgs
 
 REPO = Path(__file__).resolve().parents[1]
 APP = str(REPO / "app" / "main.py")
 REAL = ModelArgs.from_file(REPO / "assets" / "configs" / "config_671B_hf.json")
 TIMEOUT = 120
-PAGES = ["model_map", "anatomy", "residual", "attention", "router", "interventions", "export"]
+PAGES = [p.name for p in pages.PAGES]
 SECRET = "s3cr3t-4f1d"
 
 
@@ -36,7 +39,7 @@ def everything_shown(at: AppTest) -> str:
 
 
 def start(monkeypatch, checkpoint: str, **env: str) -> AppTest:
-    monkeypatch.setenv(state.ENV_CHECKPOINT, checkpoint)
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, checkpoint)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
@@ -50,7 +53,7 @@ def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
 
 
 def shown_trace(at: AppTest):
-    entry = state.store().get(at.session_state["trace_key"])
+    entry = store().get(at.session_state["trace_key"])
     assert entry is not None
     return entry.trace
 
@@ -143,7 +146,7 @@ def test_errors_under_the_roots_do_not_quote_the_files(app_checkpoint, monkeypat
 def test_a_trace_file_over_the_limit_is_not_read(app_checkpoint, monkeypatch, keep_torch_threads):
     at = start(monkeypatch, app_checkpoint, ANATOMY_MAX_UPLOAD_MB="0.01")
     before = at.session_state["trace_key"]
-    data = state.store().get(before).trace_bytes()
+    data = store().get(before).trace_bytes()
     assert len(data) > 0.01 * 2**20
     upload(at, data, "big.safetensors")
     assert not at.exception
@@ -202,7 +205,7 @@ def test_nan_in_the_router_warns_and_every_page_renders(app):
     trace = shown_trace(app)
     assert (trace["layers.0.attn.indexer.scores"] == float("-inf")).any()  # masked keys: expected, not flagged
     assert not app.warning, messages(app.warning)
-    block = shaping.moe_blocks(trace)[0]
+    block = moe_blocks(trace)[0]
     nan = float("nan")  # a NaN score spreads to the token's weights, as in a model that overflowed
     gate = {f"layers.{block}.ffn.gate.{site}": ((3,), nan) for site in ("scores", "biased_scores", "topk_weights")}
     upload(app, with_values(trace, gate).to_bytes(), "nan.safetensors")

@@ -11,7 +11,7 @@ from model.checkpoint import load_model
 from tracing.cli import main
 from tracing.diff import diff_tables, summary
 from tracing.errors import InputError
-from tracing.interventions import AblateExperts, IndexTopK, NoGateBias
+from tracing.interventions import AblateExperts, IndexTopK, NoGateBias, from_spec
 from tracing.runner import trace_tokens
 from tracing.sites import LOGIT_LENS
 
@@ -146,3 +146,13 @@ def test_cli_patch_interventions_and_diff(capsys, tiny_checkpoint, tmp_path, bas
     )
     assert main(["diff", str(a), str(tmp_path / "c.safetensors")]) == 2
     assert "different prompts" in capsys.readouterr().err
+
+
+def test_a_spec_gives_the_interventions_the_command_line_and_the_app_ask_for():
+    cli = from_spec({"ablate": "3:40,3:17,5:2", "no_bias": "all", "attention": "dense"})
+    assert cli == [AblateExperts({3: (17, 40), 5: (2,)}), NoGateBias(), IndexTopK.dense()]
+    app = from_spec({"ablate": {3: [17, 40], 5: [2]}, "no_bias": [2], "attention": 4})
+    assert app == [AblateExperts({3: (17, 40), 5: (2,)}), NoGateBias((2,)), IndexTopK(4)]
+    assert from_spec({"ablate": "", "no_bias": None, "attention": None}) == []
+    with pytest.raises(InputError, match="LAYER:EXPERT"):
+        from_spec({"ablate": "3-17"})

@@ -8,12 +8,14 @@ value the model computed in the same forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from model.config import ModelArgs
+from model.moe import RouterRule, select_experts
 from model.ops import topk
 
 from .errors import InputError
@@ -95,12 +97,12 @@ class NoGateBias(Intervention):
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
         out: dict[str, Replace] = {}
-        per_group = args.experts_per_group
+        rule = RouterRule.of(args)
         for layer in _moe_layers(args, self.layers):
             site = f"layers.{layer}.ffn.gate"
             out[f"{site}.biased_scores"] = lambda value, seen, s=site: seen[f"{s}.scores"]
             out[f"{site}.group_scores"] = lambda value, seen, s=site: (
-                seen[f"{s}.biased_scores"].view(value.shape[0], -1, per_group).amax(dim=-1)
+                select_experts(seen[f"{s}.biased_scores"], None, rule).group_scores
             )
         return out
 
@@ -140,3 +142,30 @@ class IndexTopK(Intervention):
 
     def describe(self) -> str:
         return "dense attention" if self.k >= 1 << 30 else f"index_topk={self.k}"
+
+
+def from_spec(spec: Mapping[str, Any]) -> list[Intervention]:
+    """The interventions a spec of plain values asks for, in the order they apply: the command line
+    makes one from its flags, the app from its widgets (and keeps it, to run it again).
+
+    * ``ablate``: ``"LAYER:EXPERT,..."`` or ``{block: [experts]}``; empty or absent: none
+    * ``no_bias``: ``None``, ``"all"`` or ``[blocks]``
+    * ``attention``: ``None`` (the model's index_topk), ``"dense"`` or another index_topk
+
+    Each intervention checks its values against the model when it runs.
+    """
+    out: list[Intervention] = []
+    ablate = spec.get("ablate")
+    if isinstance(ablate, str) and ablate:
+        out.append(AblateExperts.parse(ablate))
+    elif ablate:
+        out.append(AblateExperts({int(block): tuple(ids) for block, ids in ablate.items()}))
+    no_bias = spec.get("no_bias")
+    if no_bias is not None:
+        out.append(NoGateBias(None if no_bias == "all" else tuple(no_bias)))
+    attention = spec.get("attention")
+    if attention == "dense":
+        out.append(IndexTopK.dense())
+    elif attention is not None:
+        out.append(IndexTopK(int(attention)))
+    return out

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import cards, state, widgets
+from app import card_view, widgets
+from app.topics import cards
 
 ALL = "all"
 SHORT = {
@@ -22,15 +23,12 @@ SHORT = {
 
 
 def page() -> None:
-    view = state.current()
-    widgets.page_header(
+    view = widgets.page_view(
         "Block anatomy",
         "Each component of DeepSeek-V3.2-Exp: its equation, its tensor shapes for this config (and for your "
         "prompt), the project's code that computed it, and a live plot for the chosen block.",
-        view,
     )
     if view is None:
-        widgets.no_trace()
         return
     all_cards = cards.load_cards()
     ids = list(all_cards)
@@ -44,7 +42,7 @@ def page() -> None:
     )
     shown = ids if choice == ALL else [choice or "block"]
     for card_id in shown:
-        widgets.card(all_cards[card_id], view, key=f"anatomy_{card_id}")
+        card_view.card(all_cards[card_id], view, key=f"anatomy_{card_id}")
     if choice != ALL:
         _walk(ids, shown[0], all_cards)
 

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_plots, plots, shaping, state, widgets
+from app import card_view, widgets
+from app.topics import attention, card_plots, tokens
 
 
 def page() -> None:
-    view = state.current()
-    widgets.page_header(
+    view = card_view.topic_page(
         "Attention & indexer",
         "DeepSeek Sparse Attention: the lightning indexer scores every earlier key for each query and keeps "
         "the top-k; MLA then attends only to those. Compare what the indexer chose with where attention went.",
-        view,
+        ["indexer", "sparse_mask", "mla"],
+        "attention",
     )
     if view is None:
-        widgets.no_trace()
         return
-    widgets.compact_cards(["indexer", "sparse_mask", "mla"], view, key="attention")
     block = view.block
     k = min(view.config.index_topk, view.n_tokens)
     st.subheader(f"Block {block}: index scores and attention", anchor=False)
@@ -29,7 +28,7 @@ def page() -> None:
             "query keeps all its earlier keys, so sparse attention equals dense attention here. Trace a prompt longer "
             f"than {view.config.index_topk} tokens to see keys dropped."
         )
-    heads = shaping.recorded_heads(view.trace, block)
+    heads = attention.recorded_heads(view.trace, block)
     head = None
     if heads:
         pick, _ = st.columns([1, 3])
@@ -56,25 +55,25 @@ def page() -> None:
         f"For each query: the share of dense attention's probability mass (softmax over all earlier keys, mean "
         f"over heads) that falls on the {k} keys the indexer kept. 1 = nothing lost."
     )
-    got = shaping.recall_grid(view.table("indexer_recall"), view.n_tokens)
+    got = attention.recall_grid(view.table("indexer_recall"), view.n_tokens)
     if got is None:
         widgets.missing("No recall", ["layers.{i}.attn.indexer.recall"])
     else:
-        widgets.memo_chart(view, "recall", lambda: plots.recall(got[0], got[1], card_plots.labels(view)))
+        widgets.memo_chart(view, "recall", lambda: attention.recall_figure(got[0], got[1], tokens.labels(view)))
 
     st.subheader("One query in detail", anchor=False)
-    labels = card_plots.labels(view)
+    labels = tokens.labels(view)
     if st.session_state.get("query", 0) >= view.n_tokens:
         st.session_state["query"] = view.n_tokens - 1
     if "query" not in st.session_state:
         st.session_state["query"] = view.n_tokens - 1
     query = st.selectbox("Query position", range(view.n_tokens), key="query", format_func=lambda i: labels[i])
-    df = shaping.query_profile(view.trace, block, query)
+    df = attention.query_profile(view.trace, block, query)
     if df is None:
         widgets.missing("No index scores", ["layers.{i}.attn.indexer.scores"], block)
     else:
-        token = shaping.token_texts(view.trace)[query]
-        widgets.memo_chart(view, "query_profile", lambda: plots.query_profile(df, query, token, block), block, query)
+        token = tokens.token_texts(view.trace)[query]
+        widgets.memo_chart(view, "query_profile", lambda: attention.query_profile_figure(df, query, token, block), block, query)
         with st.expander("As a table"):
             st.dataframe(df, hide_index=True, width="stretch")
 

@@ -2,52 +2,39 @@
 another index_topk), run the prompt again, and compare the two traces side by side: where the residual
 stream starts to move, which experts and keys changed, and how the predictions moved.
 
-The session keeps only the widgets' values and the last run's spec (small dicts); the baseline and the
-intervened trace live in the process-wide store (app.state), the diff tables and figures in the
-intervened entry's memo.
+The session keeps only the widgets' values and the last run's spec (small dicts, read by
+tracing.interventions.from_spec); the baseline and the intervened trace live in the process-wide
+store (app.core.traces), the diff tables and figures in the intervened entry's memo.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import streamlit as st
 
-from app import plots, shaping, state, widgets
-from app.views.export import zip_bytes
-from tracing.diff import diff_tables, summary
-from tracing.errors import InputError
-from tracing.interventions import AblateExperts, IndexTopK, Intervention, NoGateBias
+from app import comparison, widgets
+from app.core.errors import BAD_INPUT
+from app.core.models import OpenModel
+from app.core.session import current, session_model
+from app.core.traces import Entry, store, trace_prompt
+from app.topics import experts
+from app.topics.interventions import moe_block_ids
+from tracing.interventions import AblateExperts, from_spec
 
 ATTENTION = ("model", "dense", "topk")
 # widget values kept while the page is not drawn (another page, another block's expert list)
 _KEEP = ("iv_block", "iv_ablate_text", "iv_no_bias", "iv_no_bias_blocks", "iv_attention", "iv_topk", "iv_only_changed")
 _EXPERTS = "iv_experts_"  # + block: the experts ablated in that block
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
-MAX_ROWS = 5_000  # rows of a diff table shown on the page (the CSV has them all)
-TABLES = {
-    "stream": (
-        "Residual stream",
-        "Per block, point (in, after attention, out) and position: relative L2 distance and cosine of the streams.",
-    ),
-    "experts": ("Experts", "Per MoE block and position: the experts each run chose, how many differ, their Jaccard overlap."),
-    "indexer_keys": ("Indexer keys", "Per block and query position: the keys the indexer selected in each run."),
-    "predictions": ("Logit lens", "Per block and position: the logit lens's top-1 token in each run, with its probability."),
-    "next_token": ("Next token", "The top next tokens of either run after the last position, with both probabilities."),
-}
 
 
 # --- the spec: what to run, as plain values ---------------------------------------------------------------
-def moe_blocks(cfg) -> list[int]:
-    return list(range(cfg.n_dense_layers, cfg.n_layers))
-
-
 def spec_from_widgets(cfg) -> dict[str, Any]:
     """The interventions the widgets ask for: ``{"ablate": {block: [experts]}, "no_bias": None | "all" |
     [blocks], "attention": None | "dense" | k}``. InputError when the typed ablations do not parse."""
     ablate: dict[int, set[int]] = {}
-    for block in moe_blocks(cfg):
+    for block in moe_block_ids(cfg):
         picked = st.session_state.get(f"{_EXPERTS}{block}") or []
         if picked:
             ablate.setdefault(block, set()).update(int(e) for e in picked)
@@ -62,20 +49,6 @@ def spec_from_widgets(cfg) -> dict[str, Any]:
     mode = st.session_state.get("iv_attention", "model")
     attention = "dense" if mode == "dense" else int(st.session_state.get("iv_topk") or 1) if mode == "topk" else None
     return {"ablate": {b: sorted(ids) for b, ids in sorted(ablate.items())}, "no_bias": no_bias, "attention": attention}
-
-
-def build(spec: dict[str, Any]) -> list[Intervention]:
-    """tracing.interventions objects for a spec (their checks run when the model runs)."""
-    out: list[Intervention] = []
-    if spec.get("ablate"):
-        out.append(AblateExperts({int(b): tuple(ids) for b, ids in spec["ablate"].items()}))
-    if spec.get("no_bias") is not None:
-        out.append(NoGateBias(None if spec["no_bias"] == "all" else tuple(spec["no_bias"])))
-    if spec.get("attention") == "dense":
-        out.append(IndexTopK.dense())
-    elif spec.get("attention") is not None:
-        out.append(IndexTopK(int(spec["attention"])))
-    return out
 
 
 # --- callbacks (run before the page is drawn again) ------------------------------------------------------------
@@ -94,16 +67,12 @@ def _clear() -> None:
     st.session_state["iv_attention"] = "model"
 
 
-def _show(key) -> None:
-    st.session_state["trace_key"] = key
-
-
 def _keep(cfg) -> None:
     """Carry the widgets' values across pages and block switches, dropping values this config lacks."""
     for key in list(st.session_state):
         if isinstance(key, str) and (key in _KEEP or key.startswith(_EXPERTS)):
             st.session_state[key] = st.session_state[key]
-    blocks = moe_blocks(cfg)
+    blocks = moe_block_ids(cfg)
     for key in [k for k in st.session_state if isinstance(k, str) and k.startswith(_EXPERTS)]:
         block = key.removeprefix(_EXPERTS)
         if not block.isdigit() or int(block) not in blocks:
@@ -128,9 +97,9 @@ def page() -> None:
         "Change one thing and watch what moves: ablate experts (the router goes around them), route without the "
         "correction bias, or attend to every key (or another number of them). The prompt runs again and the two "
         "traces are compared block by block.",
-        state.current(),
+        current(),
     )
-    om = state.session_model()
+    om = session_model()
     if om is None:
         no_model()
         return
@@ -156,7 +125,7 @@ def page() -> None:
         return
     iv = intervened(om, base, result["spec"])
     if iv is not None:
-        compare(base, iv, result["spec"])
+        comparison.compare(base, iv, result["spec"])
 
 
 def no_model() -> None:
@@ -175,25 +144,25 @@ def no_model() -> None:
         )
 
 
-def baseline(om: state.OpenModel) -> state.Entry | None:
+def baseline(om: OpenModel) -> Entry | None:
     """The plain trace of the prompt the session shows (also when it shows an intervened one)."""
     key = st.session_state.get("trace_key")
-    if key is None or key[0] != "model" or key[1] != str(om.path) or key[2] != om.dtype:
+    if key is None or not key.on(om):
         widgets.no_trace()
         return None
-    entry = state.store().get(key[:4])
+    entry = store().get(key.plain)
     if entry is not None:
         return entry
     try:
         with st.spinner("Tracing the baseline…"):
-            return state.trace_prompt(om, key[3])
-    except state.BAD_INPUT as exc:
+            return trace_prompt(om, key.prompt)
+    except BAD_INPUT as exc:
         st.error(f"**The baseline could not be traced.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
 
 
-def controls(base: state.Entry, cfg) -> None:
-    blocks = moe_blocks(cfg)
+def controls(base: Entry, cfg) -> None:
+    blocks = moe_block_ids(cfg)
     with st.container(border=True):
         experts_col, router_col, attention_col = st.columns(3, gap="large")
         with experts_col:
@@ -246,9 +215,9 @@ def controls(base: state.Entry, cfg) -> None:
         st.button("Clear all", key="iv_clear", on_click=_clear, icon=":material/restart_alt:")
 
 
-def ablation_controls(base: state.Entry, cfg, blocks: list[int]) -> None:
+def ablation_controls(base: Entry, cfg, blocks: list[int]) -> None:
     block = st.selectbox("MoE block", blocks, key="iv_block", format_func=lambda b: f"block {b}")
-    counts = base.memo(("expert_tokens", block), lambda: shaping.expert_tokens(base.trace, block))
+    counts = base.memo(("expert_tokens", block), lambda: experts.expert_tokens(base.trace, block))
     st.multiselect(
         f"Experts never chosen in block {block}",
         list(range(cfg.n_routed_experts)),
@@ -258,7 +227,7 @@ def ablation_controls(base: state.Entry, cfg, blocks: list[int]) -> None:
         help="Masked out of the router's scores before the group and expert top-k: each token goes to its next "
         f"choices. At least k = {cfg.n_activated_experts} experts must remain.",
     )
-    busiest = shaping.busiest_experts(base.trace, block, 5)
+    busiest = experts.busiest_experts(base.trace, block, 5)
     if busiest:
         st.caption(
             f"Busiest in block {block} (baseline, tokens of {base.trace.n_tokens}): "
@@ -285,11 +254,11 @@ def ablation_controls(base: state.Entry, cfg, blocks: list[int]) -> None:
         st.caption(f"Picked: {picked}")
 
 
-def run_now(om: state.OpenModel, base: state.Entry, cfg) -> None:
+def run_now(om: OpenModel, base: Entry, cfg) -> None:
     try:
         spec = spec_from_widgets(cfg)
-        interventions = build(spec)
-        if not interventions:
+        changes = from_spec(spec)
+        if not changes:
             st.warning("Nothing to change: choose experts to ablate, the router without its bias, or another attention.")
             return
         bar = st.progress(0.0, text="Running with the interventions…")
@@ -298,208 +267,23 @@ def run_now(om: state.OpenModel, base: state.Entry, cfg) -> None:
             bar.progress(i / cfg.n_layers, text=f"Block {i} ({i + 1} of {cfg.n_layers})…")
 
         try:
-            state.trace_prompt(om, base.key[3], on_block, interventions=interventions)
+            trace_prompt(om, base.key.prompt, on_block, interventions=changes)
         finally:
             bar.empty()
-    except state.BAD_INPUT as exc:
+    except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
     st.session_state[RESULT] = {"base": base.key, "spec": spec}
 
 
-def intervened(om: state.OpenModel, base: state.Entry, spec: dict[str, Any]) -> state.Entry | None:
+def intervened(om: OpenModel, base: Entry, spec: dict[str, Any]) -> Entry | None:
     """The last run's trace, from the store, or run again when the store dropped it."""
     try:
         with st.spinner("Running with the interventions…"):
-            return state.trace_prompt(om, base.key[3], interventions=build(spec))
-    except state.BAD_INPUT as exc:
+            return trace_prompt(om, base.key.prompt, interventions=from_spec(spec))
+    except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
-
-
-# --- the comparison --------------------------------------------------------------------------------------------
-def compare(base: state.Entry, iv: state.Entry, spec: dict[str, Any]) -> None:
-    a, b = base.trace, iv.trace
-    try:
-        tables = iv.memo(("diff", base.key), lambda: diff_tables(a, b))
-    except InputError as exc:
-        st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
-        return
-    info = iv.memo(("diff_summary", base.key), lambda: summary(a, b, tables))
-    st.subheader("Baseline vs intervened", anchor=False)
-    st.markdown(
-        " ".join(f":red-badge[:material/science: {widgets.escape_md(d)}]" for d in state.describe_interventions(build(spec)))
-    )
-    summary_metrics(info, tables, a.config.n_layers)
-
-    labels = base.memo("labels", lambda: shaping.position_labels(a))
-    left, right = st.columns(2, gap="large")
-    for column, entry, title in ((left, base, "Baseline"), (right, iv, "Intervened")):
-        with column, st.container(border=True):
-            st.markdown(f"**{title}** · {widgets.escape_md(entry.origin)} · traced in {entry.seconds:.2f} s")
-            frame = entry.memo("next_tokens", lambda entry=entry: shaping.next_tokens(entry.trace))
-            if frame is None:
-                widgets.missing("No next-token logits", ["logits.last"])
-            else:
-                widgets.chart(
-                    memo_figure(iv, base, f"next_{title}", lambda frame=frame: plots.next_token(frame)), f"iv_next_{title}"
-                )
-
-    st.subheader("Where it changed", anchor=False)
-    moved = iv.memo(("drift", base.key), lambda: shaping.drift(tables.get("stream"), a.n_tokens))
-    if moved is None:
-        widgets.missing("No residual stream drift", ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"])
-    else:
-        widgets.chart(memo_figure(iv, base, "drift", lambda: plots.drift(moved, labels)), "iv_drift")
-    left, right = st.columns(2, gap="large")
-    with left:
-        per_block = iv.memo(("per_block", base.key), lambda: shaping.changes_per_block(tables, a.config.n_layers))
-        widgets.chart(memo_figure(iv, base, "per_block", lambda: plots.block_changes(per_block, a.n_tokens)), "iv_per_block")
-    with right:
-        load_change(base, iv, spec)
-    lens = iv.memo(("lens", base.key), lambda: shaping.lens_changes(tables.get("predictions"), a.n_tokens))
-    if lens is None:
-        widgets.missing("No logit lens", ["layers.{i}.logit_lens.topk_indices"])
-    else:
-        widgets.chart(memo_figure(iv, base, "lens", lambda: plots.lens_changes(lens, labels)), "iv_lens")
-    change = shaping.next_token_change(tables.get("next_token"))
-    if change is not None:
-        widgets.chart(memo_figure(iv, base, "next_change", lambda: plots.next_token_change(change)), "iv_next_change")
-
-    diff_downloads(base, iv, tables)
-
-
-def memo_figure(iv: state.Entry, base: state.Entry, name: str, build):
-    return iv.memo(("figure", "interventions", name, base.key), build)
-
-
-def summary_metrics(info: dict, tables: dict, n_layers: int) -> None:
-    cols = st.columns(5)
-    first = info.get("first_layer_changed")
-    cols[0].metric(
-        "First block that changed",
-        "none" if first is None else f"block {first}",
-        help="The first block whose residual stream (in, after attention or out) differs at any position",
-    )
-    for col, name, label in ((cols[1], "experts", "Expert choices changed"), (cols[2], "indexer_keys", "Key sets changed")):
-        frame = tables.get(name)
-        if frame is None:
-            col.metric(label, "—")
-        else:
-            col.metric(
-                label,
-                f"{int(frame['changed'].sum())} of {len(frame)}",
-                help="(block, position) pairs whose selected set differs between the runs",
-            )
-    kl = info.get("next_token_kl")
-    cols[3].metric(
-        "Next-token KL",
-        "—" if kl is None else f"{kl:.4g} nats",
-        help="KL(baseline ‖ intervened) of the next-token distribution after the last position",
-    )
-    frame = tables.get("next_token")
-    if frame is not None and "next_token_a" in info:
-        names = dict(zip(frame["token_id"], frame["token"], strict=True))
-        before = shaping.show_token(str(names.get(info["next_token_a"], f"<{info['next_token_a']}>")), html_escape=False)
-        after = shaping.show_token(str(names.get(info["next_token_b"], f"<{info['next_token_b']}>")), html_escape=False)
-        cols[4].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
-    drift = info.get("max_rel_l2_per_layer")
-    if drift:
-        st.caption(
-            f"Largest relative L2 drift of the stream per block: {', '.join(f'{v:.3g}' for v in drift)} "
-            f"(blocks 0–{n_layers - 1})."
-        )
-
-
-def load_change(base: state.Entry, iv: state.Entry, spec: dict[str, Any]) -> None:
-    blocks = shaping.moe_blocks(base.trace)
-    if not blocks:
-        st.caption("No MoE blocks in this trace: no expert load to compare.")
-        return
-    ablated = {int(b): tuple(ids) for b, ids in (spec.get("ablate") or {}).items()}
-    options = blocks
-    if st.session_state.get("iv_load_block") not in options:
-        st.session_state["iv_load_block"] = next(iter(ablated), blocks[0])
-    block = st.selectbox("Expert load of", options, key="iv_load_block", format_func=lambda b: f"block {b}")
-    before = shaping.expert_tokens(base.trace, block)
-    after = shaping.expert_tokens(iv.trace, block)
-    if before is None or after is None:
-        widgets.missing("No routing", ["layers.{i}.ffn.gate.topk_indices"], block)
-        return
-    cfg = base.trace.config
-    fig = memo_figure(
-        iv,
-        base,
-        ("load", block),
-        lambda: plots.expert_load_change(before, after, ablated.get(block, ()), block, cfg.experts_per_group),
-    )
-    widgets.chart(fig, "iv_load")
-
-
-def diff_downloads(base: state.Entry, iv: state.Entry, tables: dict) -> None:
-    st.subheader("Diff tables", anchor=False)
-    stem = "diff-" + hashlib.sha256(repr(iv.key).encode()).hexdigest()[:8]
-    cols = st.columns(3)
-    cols[0].download_button(
-        "All diff tables (CSV, zip)",
-        data=lambda: zip_bytes(tables),
-        file_name=f"{stem}-tables.zip",
-        mime="application/zip",
-        icon=":material/folder_zip:",
-        key="iv_dl_zip",
-        on_click="ignore",
-        width="stretch",
-    )
-    cols[1].download_button(
-        "Intervened trace (.safetensors)",
-        data=iv.trace_bytes,
-        file_name=f"{stem}-intervened.safetensors",
-        mime="application/octet-stream",
-        icon=":material/save:",
-        key="iv_dl_trace",
-        on_click="ignore",
-        width="stretch",
-        help="Open it here (source: Trace file) or compare with `python -m tracing diff`",
-    )
-    if st.session_state.get("trace_key") == iv.key:
-        cols[2].button(
-            "Show the baseline in the other pages",
-            key="iv_show_base",
-            on_click=_show,
-            args=(base.key,),
-            icon=":material/undo:",
-            width="stretch",
-        )
-    else:
-        cols[2].button(
-            "Show the intervened trace in the other pages",
-            key="iv_show",
-            on_click=_show,
-            args=(iv.key,),
-            icon=":material/visibility:",
-            width="stretch",
-            help="The residual, attention and router pages then draw the intervened run",
-        )
-    only = st.toggle("Only rows that changed", key="iv_only_changed")
-    names = [name for name in TABLES if name in tables]
-    for tab, name in zip(st.tabs([TABLES[n][0] for n in names]), names, strict=True):
-        with tab:
-            frame = tables[name]
-            head, button = st.columns([5, 1], vertical_alignment="center")
-            head.caption(f"{TABLES[name][1]} {len(frame):,} rows; the CSV holds them all.")
-            widgets.csv_button(button, frame, f"{stem}-{name}.csv", f"iv_dl_csv_{name}")
-            shown = changed_rows(frame, name) if only else frame
-            if len(shown) > MAX_ROWS:
-                st.caption(f"The first {MAX_ROWS:,} of {len(shown):,} rows:")
-            st.dataframe(shown.head(MAX_ROWS), hide_index=True, width="stretch")
-
-
-def changed_rows(frame, name: str):
-    if name == "stream":
-        return frame[frame["rel_l2"] > 0]
-    if "changed" in frame:
-        return frame[frame["changed"]]
-    return frame
 
 
 if __name__ == "__main__":

@@ -5,34 +5,33 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_plots, plots, shaping, state, widgets
+from app import card_view, widgets
+from app.topics import card_plots, predictions, residual, tokens
 
 
 def page() -> None:
-    view = state.current()
-    widgets.page_header(
+    view = card_view.topic_page(
         "Residual stream",
         "The stream x every block reads and writes: how large it is, how much each block turns it, how big "
         "the attention and FFN updates are, and what the output head would already predict from it.",
-        view,
+        ["rmsnorm", "block", "head"],
+        "residual",
     )
     if view is None:
-        widgets.no_trace()
         return
-    widgets.compact_cards(["rmsnorm", "block", "head"], view, key="residual")
-    labels = card_plots.labels(view)
-    grids = view.memo("residual_grids", lambda: shaping.residual_grids(view.table("residual"), view.n_tokens))
+    labels = tokens.labels(view)
+    grids = view.memo("residual_grids", lambda: residual.residual_grids(view.table("residual"), view.n_tokens))
     if grids is None:
         widgets.missing("No residual stream", ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"])
     else:
         left, right = st.columns(2, gap="large")
         with left:
-            widgets.memo_chart(view, "resid_norm", lambda: plots.residual_norms(grids, labels))
+            widgets.memo_chart(view, "resid_norm", lambda: residual.residual_norms_figure(grids, labels))
         with right:
-            widgets.memo_chart(view, "resid_cos", lambda: plots.residual_cosine(grids, labels))
+            widgets.memo_chart(view, "resid_cos", lambda: residual.residual_cosine_figure(grids, labels))
         left, right = st.columns(2, gap="large")
         with left:
-            widgets.memo_chart(view, "resid_updates", lambda: plots.update_sizes(grids))
+            widgets.memo_chart(view, "resid_updates", lambda: residual.update_sizes_figure(grids))
         with right:
             widgets.memo_chart(view, "resid_block_updates", lambda: card_plots.block_updates(view, view.block), view.block)
     st.subheader("Logit lens", anchor=False)
@@ -41,11 +40,11 @@ def page() -> None:
         "probability of the top token (written in the cell); hover for the top 5. The last row is the model's "
         "own prediction."
     )
-    lens = view.memo("lens", lambda: shaping.logit_lens(view.trace))
+    lens = view.memo("lens", lambda: predictions.logit_lens(view.trace))
     if lens is None:
         widgets.missing("No logit lens", ["layers.{i}.logit_lens.topk_indices"])
     else:
-        widgets.memo_chart(view, "logit_lens", lambda: plots.logit_lens(lens, labels))
+        widgets.memo_chart(view, "logit_lens", lambda: predictions.logit_lens_figure(lens, labels))
 
 
 if __name__ == "__main__":

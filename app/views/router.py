@@ -5,33 +5,32 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_plots, plots, shaping, state, widgets
+from app import card_view, widgets
+from app.topics import card_plots, experts, router, tokens
 
 
 def page() -> None:
-    view = state.current()
-    widgets.page_header(
+    view = card_view.topic_page(
         "Router & experts",
         "How each token is sent to a few of the routed experts: sigmoid scores, group-limited selection with the "
         "load-balancing bias, gating weights, and where tokens went across the MoE blocks.",
-        view,
+        ["router", "experts", "mlp"],
+        "router",
     )
     if view is None:
-        widgets.no_trace()
         return
     cfg = view.config
-    widgets.compact_cards(["router", "experts", "mlp"], view, key="router")
-    block, note = card_plots.applicable_block("moe", view, view.block)
+    block, note = card_plots.applicable_block("moe", cfg, view.block)
     if block is None:
         st.info(note)
         return
     if note:
         st.info(note, icon=":material/info:")
-    r = shaping.routing(view.trace, block)
+    r = router.routing(view.trace, block)
     if r is None:
         widgets.missing("No routing", ["layers.{i}.ffn.gate.topk_indices"], block)
         return
-    labels = card_plots.labels(view)
+    labels = tokens.labels(view)
     st.subheader(f"Block {block}: router scores", anchor=False)
     biased = st.toggle(
         "Show the biased scores s + b (what selection ranks)",
@@ -42,20 +41,21 @@ def page() -> None:
     if r.scores is None:
         widgets.missing("No scores", ["layers.{i}.ffn.gate.scores"], block)
     else:
+        per_group = cfg.experts_per_group
         widgets.memo_chart(
-            view, "router_scores", lambda: plots.router_scores(r, labels, cfg.experts_per_group, biased=biased), block, biased
+            view, "router_scores", lambda: router.router_scores_figure(r, labels, per_group, biased=biased), block, biased
         )
     left, right = st.columns([2, 3], gap="large")
     with left:
         if r.group_scores is not None and r.groups_chosen is not None:
-            widgets.memo_chart(view, "router_groups", lambda: plots.groups(r, labels), block)
+            widgets.memo_chart(view, "router_groups", lambda: router.groups_figure(r, labels), block)
         else:
             widgets.missing("No group scores", ["layers.{i}.ffn.gate.group_scores", "layers.{i}.ffn.gate.groups"], block)
     with right:
         widgets.memo_chart(view, "router_weights", lambda: card_plots.expert_weights(view, block), block)
 
     st.subheader("What the correction bias changed", anchor=False)
-    effect = view.memo(("bias_effect", block), lambda: shaping.bias_effect(view.trace, block))
+    effect = view.memo(("bias_effect", block), lambda: router.bias_effect(view.trace, block))
     if effect is None:
         widgets.missing("No bias comparison", ["layers.{i}.ffn.gate.scores", "layers.{i}.ffn.gate.biased_scores"], block)
     else:
@@ -78,23 +78,22 @@ def page() -> None:
             "Without the bias, the same rule (groups by the sum of their top-2 scores, then top-k inside the chosen "
             "groups) ranks the unbiased scores s. The bias only moves the choice; the weights always come from s."
         )
-        widgets.memo_chart(view, "router_bias", lambda: plots.bias(effect, cfg.experts_per_group), block)
-        changes = shaping.bias_changes(view.trace, effect)
+        widgets.memo_chart(view, "router_bias", lambda: router.bias_figure(effect, cfg.experts_per_group), block)
+        changes = router.bias_changes(view.trace, effect)
         if not changes.empty:
             with st.expander(f"The {len(changes)} tokens whose experts the bias changed"):
                 st.dataframe(changes, hide_index=True, width="stretch")
 
-    if shaping.routed_shared(view.trace, block) is not None:
-        widgets.memo_chart(
-            view, "router_routed_shared", lambda: plots.routed_shared(shaping.routed_shared(view.trace, block), block), block
-        )
+    outputs = experts.routed_shared(view.trace, block)
+    if outputs is not None:
+        widgets.memo_chart(view, "router_routed_shared", lambda: experts.routed_shared_figure(outputs, block), block)
 
     st.subheader("Expert load across blocks", anchor=False)
-    got = shaping.load_grid(view.table("expert_load"))
+    got = experts.load_grid(view.table("expert_load"))
     if got is None:
         widgets.missing("No expert load", ["layers.{i}.ffn.gate.topk_indices"])
     else:
-        widgets.memo_chart(view, "expert_load", lambda: plots.expert_load(got[0], got[1], got[2], view.n_tokens))
+        widgets.memo_chart(view, "expert_load", lambda: experts.expert_load_figure(got[0], got[1], got[2], view.n_tokens))
 
 
 if __name__ == "__main__":

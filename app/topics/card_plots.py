@@ -1,4 +1,4 @@
-"""The live plot of each card, by the name its JSON gives: shaping, then a figure from app.plots.
+"""The live plot of each card, by the name its JSON gives: a topic's shaping, then its figure.
 
 A function returns the figure, or None when the trace lacks the sites it needs (an uploaded trace
 recorded with a narrow --record); the card then says which sites are missing.
@@ -7,85 +7,86 @@ recorded with a narrow --record); the card then says which sites are missing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from . import plots, shaping
-from .state import View
+from model.config import ModelArgs
 
+from . import attention, experts, predictions, residual, router
+from .arrays import future_mask
+from .tokens import labels
 
-def labels(view: View) -> list[str]:
-    return view.memo("labels", lambda: shaping.position_labels(view.trace))
+if TYPE_CHECKING:
+    from app.core.session import View
 
 
 def embedded_stream(view: View, block: int, **_) -> go.Figure | None:
-    got = shaping.embedded_stream(view.trace)
-    return None if got is None else plots.embedded_stream(got[0], got[1], labels(view))
+    got = residual.embedded_stream(view.trace)
+    return None if got is None else residual.embedded_stream_figure(got[0], got[1], labels(view))
 
 
 def block_updates(view: View, block: int, **_) -> go.Figure | None:
-    df = shaping.block_updates(view.trace, block)
-    return None if df is None else plots.block_updates(df, block)
+    df = residual.block_updates(view.trace, block)
+    return None if df is None else residual.block_updates_figure(df, block)
 
 
 def norm_rms(view: View, block: int, **_) -> go.Figure | None:
-    df = shaping.norm_rms(view.trace, block)
-    return None if df is None else plots.norm_rms(df, block)
+    df = residual.norm_rms(view.trace, block)
+    return None if df is None else residual.norm_rms_figure(df, block)
 
 
 def attention_pattern(view: View, block: int, head: int | None = None, **_) -> go.Figure | None:
-    z = shaping.attention_pattern(view.trace, block, head)
+    z = attention.attention_pattern(view.trace, block, head)
     if z is None:
         return None
     which = "mean over heads" if head is None else f"head {head}"
-    return plots.attention(z, labels(view), f"Block {block}: attention probabilities ({which})")
+    return attention.attention_figure(z, labels(view), f"Block {block}: attention probabilities ({which})")
 
 
 def index_scores(view: View, block: int, **_) -> go.Figure | None:
-    got = shaping.index_scores(view.trace, block)
+    got = attention.index_scores(view.trace, block)
     if got is None:
         return None
     scores, chosen = got
     k = min(view.config.index_topk, view.n_tokens)
     # mark whichever is rarer, so the scores stay visible: the selected keys, or (when most
     # visible keys are selected) the ones the sparse attention drops
-    dropped = ~shaping.future_mask(len(chosen)) & ~chosen
+    dropped = ~future_mask(len(chosen)) & ~chosen
     if dropped.sum() < chosen.sum():
         title = f"Block {block}: index scores I, keys outside the top {k} crossed (dropped)"
-        return plots.index_scores(scores, dropped, labels(view), title, marks="dropped")
+        return attention.index_scores_figure(scores, dropped, labels(view), title, marks="dropped")
     title = f"Block {block}: index scores I, the {k} selected keys per query circled"
-    return plots.index_scores(scores, chosen, labels(view), title)
+    return attention.index_scores_figure(scores, chosen, labels(view), title)
 
 
 def sparse_mask(view: View, block: int, **_) -> go.Figure | None:
-    grid = shaping.mask_categories(view.trace, block)
+    grid = attention.mask_categories(view.trace, block)
     if grid is None:
         return None
-    return plots.sparse_mask(grid, labels(view), f"Block {block}: the sparse attention mask M")
+    return attention.sparse_mask_figure(grid, labels(view), f"Block {block}: the sparse attention mask M")
 
 
 def mlp_update(view: View, block: int, **_) -> go.Figure | None:
-    df = shaping.block_updates(view.trace, block)
-    if df is None:
-        return None
-    return plots.mlp_update(df, block)
+    df = residual.block_updates(view.trace, block)
+    return None if df is None else residual.mlp_update_figure(df, block)
 
 
 def router_scores(view: View, block: int, **_) -> go.Figure | None:
-    r = shaping.routing(view.trace, block)
+    r = router.routing(view.trace, block)
     if r is None or r.scores is None:
         return None
-    return plots.router_scores(r, labels(view), view.config.experts_per_group)
+    return router.router_scores_figure(r, labels(view), view.config.experts_per_group)
 
 
 def expert_weights(view: View, block: int, **_) -> go.Figure | None:
-    df = shaping.expert_weights(view.trace, block)
-    return None if df is None else plots.expert_weights(df, labels(view), block, view.config.n_routed_experts)
+    df = experts.expert_weights(view.trace, block)
+    return None if df is None else experts.expert_weights_figure(df, labels(view), block, view.config.n_routed_experts)
 
 
 def next_token(view: View, block: int, **_) -> go.Figure | None:
-    df = shaping.next_tokens(view.trace)
-    return None if df is None else plots.next_token(df)
+    df = predictions.next_tokens(view.trace)
+    return None if df is None else predictions.next_token_figure(df)
 
 
 PLOTS: dict[str, Callable[..., go.Figure | None]] = {
@@ -102,9 +103,8 @@ PLOTS: dict[str, Callable[..., go.Figure | None]] = {
 }
 
 
-def applicable_block(scope: str, view: View, block: int) -> tuple[int | None, str]:
+def applicable_block(scope: str, cfg: ModelArgs, block: int) -> tuple[int | None, str]:
     """The block a card of this scope can show, and a note when it is not the chosen one."""
-    cfg = view.config
     if scope == "dense" and cfg.is_moe(block):
         dense = [i for i in range(cfg.n_layers) if not cfg.is_moe(i)]
         if not dense:

@@ -1,0 +1,190 @@
+"""Two runs of one prompt compared, for the interventions page: what changed (summary metrics),
+both runs' next tokens, where the residual stream moved, per-block changes, expert load, the logit
+lens, and the diff tables (tracing.diff) with their downloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import streamlit as st
+
+from app import widgets
+from app.core.traces import Entry, describe_interventions
+from app.topics import experts, interventions, predictions, router, tokens
+from app.topics.export import OCTETS, ZIP, zip_bytes
+from app.topics.interventions import TABLES, changed_rows
+from tracing.diff import diff_tables, summary
+from tracing.errors import InputError
+from tracing.interventions import from_spec
+
+MAX_ROWS = 5_000  # rows of a diff table shown on the page (the CSV has them all)
+
+
+def _show(key) -> None:
+    st.session_state["trace_key"] = key
+
+
+def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
+    a, b = base.trace, iv.trace
+    try:
+        tables = iv.memo(("diff", base.key), lambda: diff_tables(a, b))
+    except InputError as exc:
+        st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+        return
+    info = iv.memo(("diff_summary", base.key), lambda: summary(a, b, tables))
+    st.subheader("Baseline vs intervened", anchor=False)
+    st.markdown(
+        " ".join(f":red-badge[:material/science: {widgets.escape_md(d)}]" for d in describe_interventions(from_spec(spec)))
+    )
+    summary_metrics(info, tables, a.config.n_layers)
+
+    labels = tokens.labels(base)
+    left, right = st.columns(2, gap="large")
+    for column, entry, title in ((left, base, "Baseline"), (right, iv, "Intervened")):
+        with column, st.container(border=True):
+            st.markdown(f"**{title}** · {widgets.escape_md(entry.origin)} · traced in {entry.seconds:.2f} s")
+            frame = entry.memo("next_tokens", lambda entry=entry: predictions.next_tokens(entry.trace))
+            if frame is None:
+                widgets.missing("No next-token logits", ["logits.last"])
+            else:
+                widgets.chart(
+                    memo_figure(iv, base, f"next_{title}", lambda frame=frame: predictions.next_token_figure(frame)),
+                    f"iv_next_{title}",
+                )
+
+    st.subheader("Where it changed", anchor=False)
+    moved = iv.memo(("drift", base.key), lambda: interventions.drift(tables.get("stream"), a.n_tokens))
+    if moved is None:
+        widgets.missing("No residual stream drift", ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"])
+    else:
+        widgets.chart(memo_figure(iv, base, "drift", lambda: interventions.drift_figure(moved, labels)), "iv_drift")
+    left, right = st.columns(2, gap="large")
+    with left:
+        per_block = iv.memo(("per_block", base.key), lambda: interventions.changes_per_block(tables, a.config.n_layers))
+        widgets.chart(
+            memo_figure(iv, base, "per_block", lambda: interventions.block_changes_figure(per_block, a.n_tokens)), "iv_per_block"
+        )
+    with right:
+        load_change(base, iv, spec)
+    lens = iv.memo(("lens", base.key), lambda: interventions.lens_changes(tables.get("predictions"), a.n_tokens))
+    if lens is None:
+        widgets.missing("No logit lens", ["layers.{i}.logit_lens.topk_indices"])
+    else:
+        widgets.chart(memo_figure(iv, base, "lens", lambda: interventions.lens_changes_figure(lens, labels)), "iv_lens")
+    change = interventions.next_token_change(tables.get("next_token"))
+    if change is not None:
+        widgets.chart(
+            memo_figure(iv, base, "next_change", lambda: interventions.next_token_change_figure(change)), "iv_next_change"
+        )
+
+    diff_downloads(base, iv, tables)
+
+
+def memo_figure(iv: Entry, base: Entry, name: str, build):
+    return iv.memo(("figure", "interventions", name, base.key), build)
+
+
+def summary_metrics(info: dict, tables: dict, n_layers: int) -> None:
+    cols = st.columns(5)
+    first = info.get("first_layer_changed")
+    cols[0].metric(
+        "First block that changed",
+        "none" if first is None else f"block {first}",
+        help="The first block whose residual stream (in, after attention or out) differs at any position",
+    )
+    for col, name, label in ((cols[1], "experts", "Expert choices changed"), (cols[2], "indexer_keys", "Key sets changed")):
+        frame = tables.get(name)
+        if frame is None:
+            col.metric(label, "—")
+        else:
+            col.metric(
+                label,
+                f"{int(frame['changed'].sum())} of {len(frame)}",
+                help="(block, position) pairs whose selected set differs between the runs",
+            )
+    kl = info.get("next_token_kl")
+    cols[3].metric(
+        "Next-token KL",
+        "—" if kl is None else f"{kl:.4g} nats",
+        help="KL(baseline ‖ intervened) of the next-token distribution after the last position",
+    )
+    frame = tables.get("next_token")
+    if frame is not None and "next_token_a" in info:
+        names = dict(zip(frame["token_id"], frame["token"], strict=True))
+        before = tokens.show_token(str(names.get(info["next_token_a"], f"<{info['next_token_a']}>")), html_escape=False)
+        after = tokens.show_token(str(names.get(info["next_token_b"], f"<{info['next_token_b']}>")), html_escape=False)
+        cols[4].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
+    drift = info.get("max_rel_l2_per_layer")
+    if drift:
+        st.caption(
+            f"Largest relative L2 drift of the stream per block: {', '.join(f'{v:.3g}' for v in drift)} "
+            f"(blocks 0–{n_layers - 1})."
+        )
+
+
+def load_change(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
+    blocks = router.moe_blocks(base.trace)
+    if not blocks:
+        st.caption("No MoE blocks in this trace: no expert load to compare.")
+        return
+    ablated = {int(b): tuple(ids) for b, ids in (spec.get("ablate") or {}).items()}
+    options = blocks
+    if st.session_state.get("iv_load_block") not in options:
+        st.session_state["iv_load_block"] = next(iter(ablated), blocks[0])
+    block = st.selectbox("Expert load of", options, key="iv_load_block", format_func=lambda b: f"block {b}")
+    before = experts.expert_tokens(base.trace, block)
+    after = experts.expert_tokens(iv.trace, block)
+    if before is None or after is None:
+        widgets.missing("No routing", ["layers.{i}.ffn.gate.topk_indices"], block)
+        return
+    cfg = base.trace.config
+    fig = memo_figure(
+        iv,
+        base,
+        ("load", block),
+        lambda: interventions.expert_load_change_figure(before, after, ablated.get(block, ()), block, cfg.experts_per_group),
+    )
+    widgets.chart(fig, "iv_load")
+
+
+def diff_downloads(base: Entry, iv: Entry, tables: dict) -> None:
+    st.subheader("Diff tables", anchor=False)
+    stem = "diff-" + iv.key.fingerprint()
+    cols = st.columns(3)
+    widgets.download(
+        cols[0],
+        "All diff tables (CSV, zip)",
+        lambda: zip_bytes(tables),
+        f"{stem}-tables.zip",
+        ZIP,
+        "iv_dl_zip",
+        ":material/folder_zip:",
+    )
+    widgets.download(
+        cols[1],
+        "Intervened trace (.safetensors)",
+        iv.trace_bytes,
+        f"{stem}-intervened.safetensors",
+        OCTETS,
+        "iv_dl_trace",
+        ":material/save:",
+        help="Open it here (source: Trace file) or compare with `python -m tracing diff`",
+    )
+    if st.session_state.get("trace_key") == iv.key:  # showing the intervened run: offer the baseline
+        label, key, shown, icon, tip = "Show the baseline in the other pages", "iv_show_base", base.key, ":material/undo:", None
+    else:
+        label, key, shown, icon = "Show the intervened trace in the other pages", "iv_show", iv.key, ":material/visibility:"
+        tip = "The residual, attention and router pages then draw the intervened run"
+    cols[2].button(label, key=key, on_click=_show, args=(shown,), icon=icon, width="stretch", help=tip)
+    only = st.toggle("Only rows that changed", key="iv_only_changed")
+    names = [name for name in TABLES if name in tables]
+    for tab, name in zip(st.tabs([TABLES[n][0] for n in names]), names, strict=True):
+        with tab:
+            frame = tables[name]
+            head, button = st.columns([5, 1], vertical_alignment="center")
+            head.caption(f"{TABLES[name][1]} {len(frame):,} rows; the CSV holds them all.")
+            widgets.csv_button(button, frame, f"{stem}-{name}.csv", f"iv_dl_csv_{name}")
+            shown = changed_rows(frame, name) if only else frame
+            if len(shown) > MAX_ROWS:
+                st.caption(f"The first {MAX_ROWS:,} of {len(shown):,} rows:")
+            st.dataframe(shown.head(MAX_ROWS), hide_index=True, width="stretch")

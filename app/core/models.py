@@ -1,0 +1,192 @@
+"""Models: each checkpoint opened once per process per (checkpoint, dtype) with
+``st.cache_resource`` and shared by every browser session (the Tracer keeps concurrent sessions'
+hooks apart). A checkpoint that failed is not read again until its files change.
+
+Under ANATOMY_CHECKPOINT_ROOTS the checkpoint field is an allow-list, and every refusal reads the
+same: a reason could tell what exists on the server or quote its files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import streamlit as st
+
+from model.checkpoint import INDEX, CheckpointError, SafetensorsSource
+from model.config import ModelArgs
+from model.stream import available_memory
+from tracing.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
+
+from . import settings
+from .errors import BAD_INPUT
+
+# the one answer under ANATOMY_CHECKPOINT_ROOTS: it must not tell what exists on the server or what a file holds
+NOT_ALLOWED = "not a loadable checkpoint under the allowed roots (the server log says why)"
+SMALL_MODEL_BYTES = 512 * 2**20  # below this, one CPU thread is fastest: the products are tiny
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenModel:
+    """A loaded checkpoint and what the app says about it."""
+
+    loaded: Loaded
+    path: Path
+    dtype: str
+    label: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.loaded.model.args
+
+
+def check_checkpoint(value: str) -> Path:
+    """The directory ``value`` names, if it can be a checkpoint at all (cheap checks, every rerun)."""
+    value = value.strip()
+    if not value:
+        raise CheckpointError("enter the path of a checkpoint directory")
+    if value == "demo" and not (DEMO / "config.json").is_file():
+        raise CheckpointError(
+            "the bundled demo checkpoint is missing from assets/demo (scripts/train_demo.py makes it): "
+            "choose a checkpoint directory or upload a trace file"
+        )
+    roots = settings.checkpoint_roots()
+    if roots is not None:
+        return _check_allowed(value, roots)
+    path = resolve_checkpoint(value)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: is a file, not a checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{path}: no config.json here; a checkpoint directory holds config.json, "
+            "model.safetensors.index.json with its shards (or one model.safetensors), and tokenizer.json"
+        )
+    return path
+
+
+def _check_allowed(value: str, roots: list[Path]) -> Path:
+    """The real directory ``value`` names when it lies under one of ``roots`` and holds a config.json.
+    A path outside them is refused before anything there is looked at beyond resolving its symlinks,
+    and every refusal reads the same, so the field cannot be used to explore the server."""
+    path = resolve_checkpoint(value)
+    lexical = Path(os.path.abspath(path))  # '..' folded without touching the disk
+    if not any(lexical.is_relative_to(root) for root in roots):
+        log.warning("checkpoint %r refused: outside %s", value, settings.ENV_CHECKPOINT_ROOTS)
+        raise CheckpointError(NOT_ALLOWED)
+    try:
+        real = path.resolve(strict=True)  # a symlink loop, a NUL byte, no permission: refused alike
+        if not any(real.is_relative_to(root) for root in roots):
+            log.warning("checkpoint %r refused: it resolves to %s, outside %s", value, real, settings.ENV_CHECKPOINT_ROOTS)
+            raise CheckpointError(NOT_ALLOWED)
+        if not (real / "config.json").is_file():
+            log.warning("checkpoint %r refused: %s holds no config.json", value, real)
+            raise CheckpointError(NOT_ALLOWED)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if not isinstance(exc, CheckpointError):
+            log.warning("checkpoint %r refused: %s", value, exc)
+        raise CheckpointError(NOT_ALLOWED) from None
+    return real
+
+
+def _available_memory() -> int | None:
+    try:
+        return available_memory()
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_size(source: SafetensorsSource) -> int:
+    """The weights' bytes; CheckpointError when they cannot fit in this machine's free memory."""
+    size = sum(spec.dtype.itemsize * _numel(spec.shape) for spec in source.specs().values())
+    free = _available_memory()
+    if free is not None and size > 0.8 * free:
+        path = source.directory
+        raise CheckpointError(
+            f"{path}: its weights take {size / 2**30:.1f} GiB, more than this machine's free memory "
+            f"({free / 2**30:.1f} GiB). Trace it from the command line (python -m tracing run --checkpoint "
+            f"{path} --stream --prompt ... --out trace.safetensors) and open the trace file here."
+        )
+    return size
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _set_threads(weight_bytes: int) -> None:
+    """Threads for torch on the CPU. A small model's products take microseconds, and more threads only
+    add synchronisation: on a busy 2-core machine a demo trace takes ~0.2 s on one thread and seconds
+    on two. ANATOMY_THREADS overrides."""
+    import torch
+
+    wanted = settings.threads()
+    if wanted is not None:
+        torch.set_num_threads(wanted)
+    elif weight_bytes < SMALL_MODEL_BYTES:
+        torch.set_num_threads(1)
+
+
+@st.cache_resource(max_entries=2, show_spinner="Loading the checkpoint…")
+def _open_model(path: str, dtype: str, device_name: str) -> OpenModel:
+    source = SafetensorsSource(path)  # config.json and the index; raises CheckpointError on either
+    _set_threads(_check_size(source))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = open_checkpoint(path, device_name, parse_dtype(dtype))
+    notes = [str(w.message) for w in caught]
+    if loaded.tokenizer is None:
+        notes.append("this checkpoint has no tokenizer.json: type token ids (like 0, 17, 42) instead of text")
+    label = "bundled demo" if Path(path) == DEMO else Path(path).name
+    return OpenModel(loaded, Path(path), dtype, label, notes)
+
+
+@st.cache_resource
+def _failures() -> dict[tuple, str]:
+    """Why a checkpoint did not load, by (path, dtype, file times): not read again on every rerun."""
+    return {}
+
+
+def _stamp(path: Path) -> tuple:
+    """Modification times that change when the checkpoint is fixed: files added or removed, the
+    config or the index rewritten."""
+    return tuple((path / name).stat().st_mtime_ns if (path / name).exists() else 0 for name in (".", "config.json", INDEX))
+
+
+def open_model(value: str, dtype: str) -> OpenModel:
+    """The model of checkpoint ``value`` ('demo' or a directory), loaded once per process;
+    CheckpointError (or ConfigError, TokenizerError) says why not. Under ANATOMY_CHECKPOINT_ROOTS the
+    reason goes to the server log and the user sees NOT_ALLOWED: a reason can quote the files."""
+    if settings.checkpoint_roots() is None:
+        return _open_checked(value, dtype)
+    try:
+        return _open_checked(value, dtype)
+    except (*BAD_INPUT, OSError, RuntimeError, ValueError) as exc:
+        if str(exc) != NOT_ALLOWED:
+            log.warning("checkpoint %r not loaded: %s", value, exc)
+        raise CheckpointError(NOT_ALLOWED) from None
+
+
+def _open_checked(value: str, dtype: str) -> OpenModel:
+    path = check_checkpoint(value).resolve()
+    key = (str(path), dtype, _stamp(path))
+    failures = _failures()
+    if key in failures:
+        raise CheckpointError(failures[key])
+    try:
+        return _open_model(str(path), dtype, settings.device())
+    except BAD_INPUT as exc:
+        failures[key] = str(exc)
+        raise
+    except (OSError, RuntimeError, ValueError) as exc:
+        failures[key] = f"{path}: could not be loaded ({exc})"
+        raise CheckpointError(failures[key]) from None

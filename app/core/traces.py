@@ -1,0 +1,254 @@
+"""Traces: a bounded LRU store, process-wide like the models, of traces made from a prompt or read
+from an uploaded file. An entry holds the Trace and, computed lazily once, its tables, bytes and
+figures. Each is found by a TraceKey, which also says how to make it again should the store have
+dropped it."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from model.config import ModelArgs
+from tracing.errors import InputError
+from tracing.interventions import Intervention
+from tracing.runner import check_token_ids, trace_tokens
+from tracing.sites import site_shapes
+from tracing.tables import BUILDERS
+from tracing.trace import Trace, TraceError
+
+from . import settings
+from .models import OpenModel
+
+# recorded besides tracing.sites.DEFAULT_PATTERNS: the cards' plots use them when present
+EXTRA_SITES = (
+    "layers.*.logit_lens.*",
+    "layers.*.attn.indexer.head_weights",
+    "layers.*.ffn.routed_out",
+    "layers.*.ffn.shared_out",
+)
+PER_HEAD_PROBS = "layers.*.attn.probs"
+PER_HEAD_PROBS_BUDGET = 64 * 2**20  # bytes of per-head attention probabilities worth keeping
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    """Which trace: a prompt traced on a checkpoint (maybe with changes to the run), or a trace file."""
+
+    source: str  # "model": traced here; "upload": read from a file
+    checkpoint: str = ""  # model: the checkpoint directory
+    dtype: str = ""  # model: the activation dtype
+    prompt: str = ""  # model
+    variant: Hashable = None  # model: what changed the run (patches, interventions); None: a plain trace
+    sha256: str = ""  # upload: the file's digest
+
+    @classmethod
+    def for_prompt(cls, om: OpenModel, prompt: str, variant: Hashable = None) -> TraceKey:
+        return cls("model", str(om.path), om.dtype, prompt, variant)
+
+    @classmethod
+    def for_upload(cls, data: bytes) -> TraceKey:
+        return cls("upload", sha256=hashlib.sha256(data).hexdigest())
+
+    @property
+    def traced(self) -> bool:
+        return self.source == "model"
+
+    @property
+    def plain(self) -> TraceKey:
+        """The same prompt on the same model, run unchanged."""
+        return replace(self, variant=None)
+
+    def on(self, om: OpenModel) -> bool:
+        """Traced on this checkpoint in this dtype."""
+        return self.traced and self.checkpoint == str(om.path) and self.dtype == om.dtype
+
+    def fingerprint(self) -> str:
+        """Eight hex digits that tell this trace's downloads from another's."""
+        values = ("upload", self.sha256) if not self.traced else ("model", self.checkpoint, self.dtype, self.prompt)
+        if self.variant is not None:
+            values = (*values, self.variant)
+        return hashlib.sha256(repr(values).encode()).hexdigest()[:8]
+
+
+class Entry:
+    """One trace and what is derived from it, each computed at most once (thread-safe)."""
+
+    def __init__(self, key: TraceKey, trace: Trace, origin: str, seconds: float = 0.0):
+        self.key = key
+        self.trace = trace
+        self.origin = origin  # where it came from, for people: "bundled demo · bfloat16", "trace file x.safetensors"
+        self.seconds = seconds  # tracing (or reading) time
+        self.nbytes = sum(t.numel() * t.element_size() for t in trace.tensors.values())
+        self._lock = threading.RLock()
+        self._memo: dict[Hashable, Any] = {}
+
+    @property
+    def traced(self) -> bool:
+        """Traced here from a model (else read from a trace file)."""
+        return self.key.traced
+
+    def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key not in self._memo:
+                self._memo[key] = compute()
+            return self._memo[key]
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """Every non-empty table (tracing.tables), each built once."""
+        out = {name: self.table(name) for name in BUILDERS}
+        return {name: frame for name, frame in out.items() if not frame.empty}
+
+    def table(self, name: str) -> pd.DataFrame:
+        return self.memo(("table", name), lambda: BUILDERS[name](self.trace))
+
+    def trace_bytes(self) -> bytes:
+        return self.memo("bytes", self.trace.to_bytes)
+
+
+class TraceStore:
+    """A least-recently-used map of entries, bounded in count and in tensor bytes."""
+
+    def __init__(self, max_entries: int = 16, max_bytes: int = 2 * 2**30):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[TraceKey, Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: TraceKey) -> Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, entry: Entry) -> Entry:
+        with self._lock:
+            self._entries[entry.key] = entry
+            self._entries.move_to_end(entry.key)
+            while len(self._entries) > 1 and (
+                len(self._entries) > self.max_entries or sum(e.nbytes for e in self._entries.values()) > self.max_bytes
+            ):
+                self._entries.popitem(last=False)
+            return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@st.cache_resource
+def store() -> TraceStore:
+    return TraceStore()
+
+
+def record_patterns(args: ModelArgs, n_tokens: int) -> list[str]:
+    names = list(site_shapes(args))
+    wanted = ["default", *EXTRA_SITES]
+    if n_tokens * n_tokens * args.n_heads * args.n_layers * 4 <= PER_HEAD_PROBS_BUDGET:
+        wanted.append(PER_HEAD_PROBS)
+    return [p for p in wanted if p == "default" or any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
+def encode(om: OpenModel, prompt: str) -> list[int]:
+    """Token ids of the prompt, or InputError saying what is wrong with it."""
+    if not prompt.strip():
+        raise InputError("The prompt is empty: type some text, then press Trace.")
+    tokenizer = om.loaded.tokenizer
+    if tokenizer is None:
+        try:
+            ids = [int(part) for part in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise InputError("This checkpoint has no tokenizer.json: type token ids, like 0, 17, 42.") from None
+    else:
+        ids = tokenizer.encode(prompt)
+    limit = min(settings.max_tokens(), om.args.max_seq_len)
+    if len(ids) > limit:
+        raise InputError(
+            f"The prompt is too long: {len(ids)} tokens, and the app traces at most {limit} "
+            f"(model context {om.args.max_seq_len}, app limit {settings.max_tokens()} set by {settings.ENV_MAX_TOKENS}). "
+            "Shorten it."
+        )
+    check_token_ids(ids, om.loaded.model, limit)
+    return ids
+
+
+def trace_prompt(
+    om: OpenModel,
+    prompt: str,
+    on_block: Callable[[int], None] | None = None,
+    patches: dict | None = None,
+    variant: Hashable = None,
+    interventions: Sequence[Intervention] = (),
+) -> Entry:
+    """The trace of ``prompt`` on this model, from the store or traced now.
+
+    ``patches`` (site name -> tensor, as ``tracing.runner.trace_tokens`` takes them) change the run;
+    ``variant`` names them in the store's key (a run with patches needs one), e.g. a digest of the
+    intervention, so a baseline and its intervened twin are cached side by side. ``interventions``
+    (tracing.interventions: ablations, no correction bias, another index_topk) are named in the key
+    by :func:`describe_interventions` on their own. InputError says what is wrong with either.
+    """
+    if patches and variant is None:
+        raise ValueError("a patched trace needs a variant to tell it from the baseline in the store")
+    interventions = tuple(interventions)
+    named = [str(variant)] if variant is not None else []  # for people: the entry's origin
+    if interventions:
+        described = describe_interventions(interventions)
+        variant = described if variant is None else (variant, described)
+        named.append("; ".join(described))
+    key = TraceKey.for_prompt(om, prompt, variant)
+    entry = store().get(key)
+    if entry is not None:
+        return entry
+    ids = encode(om, prompt)
+    tokenizer = om.loaded.tokenizer
+    started = time.perf_counter()
+    trace = trace_tokens(
+        om.loaded.model,
+        ids,
+        prompt=prompt,
+        record=record_patterns(om.args, len(ids)),
+        patches=patches,
+        interventions=interventions,
+        on_block=on_block,
+        extra={"checkpoint": om.loaded.label},
+        max_tokens=len(ids),
+        token_strings=tokenizer.token_strings if tokenizer is not None else None,
+    )
+    origin = " · ".join([om.label, om.dtype, *named])
+    return store().put(Entry(key, trace, origin, time.perf_counter() - started))
+
+
+def describe_interventions(interventions: Sequence[Intervention]) -> tuple[str, ...]:
+    """What each intervention does, as the trace's metadata says it: the store's key tells runs apart by these."""
+    return tuple(intervention.describe() for intervention in interventions)
+
+
+def open_upload(data: bytes, name: str) -> Entry:
+    """A trace file's bytes, validated (TraceError says why not); no model is needed."""
+    limit = settings.max_upload_bytes()
+    if len(data) > limit:  # the store is shared: one large file would push out everyone's traces
+        raise TraceError(
+            f"{name}: {len(data) / 2**20:.3g} MiB, more than the {limit / 2**20:.3g} MiB this app reads "
+            f"({settings.ENV_MAX_UPLOAD_MB}). Record fewer sites or a shorter prompt (python -m tracing run --record ...)."
+        )
+    key = TraceKey.for_upload(data)
+    entry = store().get(key)
+    if entry is not None:
+        return entry
+    started = time.perf_counter()
+    try:
+        trace = Trace.from_bytes(data, name)
+    except TraceError:
+        raise
+    except Exception as exc:  # anything else a hostile file provokes is still a bad file, not a crash
+        raise TraceError(f"{name}: not a readable trace file ({type(exc).__name__}: {exc})") from None
+    return store().put(Entry(key, trace, f"trace file {name}", time.perf_counter() - started))

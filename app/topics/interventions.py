@@ -1,0 +1,294 @@
+"""Interventions: a baseline and an intervened trace of one prompt, compared (tracing.diff): where
+the stream starts to move, which experts, keys and lens predictions changed, how the next token moved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from model.config import ModelArgs
+
+from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, rows_figure, write_cells
+from .tokens import show_token
+
+_DRIFT_SITES = {"resid_pre": "in", "resid_mid": "after attention", "resid_post": "out"}
+
+
+BEFORE, AFTER = "#9D9D9D", COLORS["moe"]  # baseline, intervened
+
+
+@dataclass
+class Drift:
+    rows: list[str]  # "x₀ (embedding)", "block 0 · after attention", "block 0 · out", ...
+    rel_l2: np.ndarray  # [R, T] |x_b - x_a| / |x_a|
+    cosine: np.ndarray  # [R, T] cos(x_a, x_b)
+
+
+def drift(stream: pd.DataFrame | None, n_tokens: int) -> Drift | None:
+    """From diff_tables()['stream']: the streams' relative L2 distance and cosine as (point in the
+    network) × position grids, in the order the stream flows. A block's input is shown only where the
+    previous block's output (the same values) is not."""
+    if stream is None or stream.empty:
+        return None
+    have = set(zip(stream["layer"], stream["site"], strict=True))
+    rows, rel, cos = [], [], []
+    for (layer, site), part in stream.groupby(["layer", "site"], sort=False):
+        if site == "resid_pre" and (layer - 1, "resid_post") in have:
+            continue
+        part = part.sort_values("position")
+        if len(part) != n_tokens:
+            continue
+        rows.append("x₀ (embedding)" if (layer, site) == (0, "resid_pre") else f"block {layer} · {_DRIFT_SITES[site]}")
+        rel.append(part["rel_l2"].to_numpy())
+        cos.append(part["cosine"].to_numpy())
+    if not rows:
+        return None
+    return Drift(rows, np.vstack(rel), np.vstack(cos))
+
+
+def changes_per_block(tables: dict[str, pd.DataFrame], n_layers: int) -> pd.DataFrame:
+    """Per block: the largest and mean relative L2 drift of its output over positions, and at how many
+    positions its experts, its indexer keys and its logit-lens top-1 changed (NaN where the trace has
+    none, as for the dense blocks' experts)."""
+    out = pd.DataFrame({"layer": np.arange(n_layers)}).set_index("layer")
+    stream = tables.get("stream")
+    if stream is not None:
+        post = stream[stream["site"] == "resid_post"].groupby("layer")["rel_l2"]
+        out["max_rel_l2"], out["mean_rel_l2"] = post.max(), post.mean()
+    for name, column in (("experts", "experts_changed"), ("indexer_keys", "keys_changed"), ("predictions", "top1_changed")):
+        frame = tables.get(name)
+        if frame is not None:
+            out[column] = frame.groupby("layer")["changed"].sum()
+    return out.reset_index()
+
+
+@dataclass
+class LensChange:
+    layers: list[int]
+    changed: np.ndarray  # [L, T] 1.0 where the top-1 token changed, else 0.0
+    text: np.ndarray  # [L, T] the intervened top-1 where it changed, else ""
+    hover: np.ndarray  # [L, T] "before p → after p"
+
+
+def lens_changes(predictions: pd.DataFrame | None, n_tokens: int) -> LensChange | None:
+    """From diff_tables()['predictions']: where the logit lens's top-1 token changed, and to what."""
+    if predictions is None or predictions.empty:
+        return None
+    layers = sorted(predictions["layer"].unique().tolist())
+    frame = predictions.sort_values(["layer", "position"])
+    if len(frame) != len(layers) * n_tokens:
+        return None
+    shape = (len(layers), n_tokens)
+    changed = frame["changed"].to_numpy().reshape(shape)
+    before = [show_token(str(t)) for t in frame["top1_a"]]
+    after = [show_token(str(t)) for t in frame["top1_b"]]
+    if "prob_a" in frame and "prob_b" in frame:
+        pa, pb = frame["prob_a"].to_numpy(), frame["prob_b"].to_numpy()
+        hover = [f"{a} {p:.3f} → {b} {q:.3f}" for a, p, b, q in zip(before, pa, after, pb, strict=True)]
+    else:
+        hover = [f"{a} → {b}" for a, b in zip(before, after, strict=True)]
+    short = np.asarray([show_token(str(t), limit=10) for t in frame["top1_b"]], dtype=object).reshape(shape)
+    return LensChange(
+        layers,
+        changed.astype(np.float64),
+        np.where(changed, short, ""),
+        np.asarray(hover, dtype=object).reshape(shape),
+    )
+
+
+def next_token_change(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """diff_tables()['next_token'] with the tokens shown for hovers and axes."""
+    if frame is None or frame.empty:
+        return None
+    frame = frame.copy()
+    shown = [show_token(str(t)) for t in frame["token"]]
+    repeated = {t for t in shown if shown.count(t) > 1}  # one bar per token id, even where two read alike
+    frame["shown"] = [f"{t} (id {i})" if t in repeated else t for t, i in zip(shown, frame["token_id"], strict=True)]
+    return frame
+
+
+# the diff tables (tracing.diff.diff_tables) as the page lists them: title, what a row is
+TABLES = {
+    "stream": (
+        "Residual stream",
+        "Per block, point (in, after attention, out) and position: relative L2 distance and cosine of the streams.",
+    ),
+    "experts": ("Experts", "Per MoE block and position: the experts each run chose, how many differ, their Jaccard overlap."),
+    "indexer_keys": ("Indexer keys", "Per block and query position: the keys the indexer selected in each run."),
+    "predictions": ("Logit lens", "Per block and position: the logit lens's top-1 token in each run, with its probability."),
+    "next_token": ("Next token", "The top next tokens of either run after the last position, with both probabilities."),
+}
+
+
+def moe_block_ids(cfg: ModelArgs) -> list[int]:
+    """The blocks an ablation or the router's bias can be changed in."""
+    return list(range(cfg.n_dense_layers, cfg.n_layers))
+
+
+def changed_rows(frame: pd.DataFrame, name: str) -> pd.DataFrame:
+    """The rows of diff table ``name`` where the runs differ."""
+    if name == "stream":
+        return frame[frame["rel_l2"] > 0]
+    if "changed" in frame:
+        return frame[frame["changed"]]
+    return frame
+
+
+def drift_figure(d: Drift, labels: list[str]) -> go.Figure:
+    """Relative L2 distance between the baseline's and the intervened stream, per point and position."""
+    hover = "%{y}<br>position %{x}<br>relative L2 %{z:.4g}<br>cosine %{customdata:.5f}"
+    heat = heatmap(d.rel_l2, d.rows, hover, x=labels, scale="rel. L2", zmin=0, customdata=d.cosine)
+    title = "How far the residual stream moved: |x_intervened − x_baseline| / |x_baseline|"
+    return rows_figure([heat], d.rows, title, positions(labels, "position"), lo=320, per=26)
+
+
+def block_changes_figure(frame: pd.DataFrame, n_tokens: int) -> go.Figure:
+    """Per block: positions whose experts, indexer keys or logit-lens top-1 changed (bars), and the
+    largest drift of the block's output (line, right axis)."""
+    x = [f"block {i}" for i in frame["layer"]]
+    traces: list[dict] = []
+    for column, name, color in (
+        ("experts_changed", "experts", COLORS["moe"]),
+        ("keys_changed", "indexer keys", COLORS["attention"]),
+        ("top1_changed", "logit-lens top-1", COLORS["ffn"]),
+    ):
+        if column in frame:
+            traces.append(
+                {
+                    "type": "bar",
+                    "x": x,
+                    "y": frame[column],
+                    "name": name,
+                    "marker": {"color": color},
+                    "hovertemplate": "%{x}: " + name + " changed at %{y} of " + str(n_tokens) + " positions<extra></extra>",
+                }
+            )
+    if "max_rel_l2" in frame:
+        traces.append(
+            {
+                "type": "scatter",
+                "x": x,
+                "y": frame["max_rel_l2"],
+                "yaxis": "y2",
+                "mode": "lines+markers",
+                "name": "output drift (max rel. L2)",
+                "line": {"color": COLORS["stream"]},
+                "hovertemplate": "%{x}: output moved by up to %{y:.4g} (relative L2)<extra></extra>",
+            }
+        )
+    return figure(
+        traces,
+        "What changed, block by block: positions with other experts, keys, lens top-1",
+        height=400,
+        barmode="group",
+        xaxis={"title": {"text": "block"}},
+        yaxis={"title": {"text": "positions changed"}, "range": [0, max(n_tokens, 1)]},
+        yaxis2={
+            "title": {"text": "max relative L2"},
+            "tickformat": ".2g",
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+            "rangemode": "tozero",
+        },
+    )
+
+
+def expert_load_change_figure(
+    before: np.ndarray, after: np.ndarray, ablated: tuple[int, ...], block: int, per_group: int
+) -> go.Figure:
+    """Tokens per expert of one MoE block, baseline and intervened; ablated experts crossed out."""
+    x = np.arange(len(before))
+    traces: list[dict] = [
+        {
+            "type": "bar",
+            "x": x,
+            "y": before,
+            "name": "baseline",
+            "marker": {"color": BEFORE},
+            "hovertemplate": "expert %{x}: %{y} tokens (baseline)<extra></extra>",
+        },
+        {
+            "type": "bar",
+            "x": x,
+            "y": after,
+            "name": "intervened",
+            "marker": {"color": AFTER},
+            "hovertemplate": "expert %{x}: %{y} tokens (intervened)<extra></extra>",
+        },
+    ]
+    if ablated:
+        traces.append(
+            {
+                "type": "scatter",
+                "x": list(ablated),
+                "y": [0] * len(ablated),
+                "mode": "markers",
+                "name": "ablated",
+                "marker": {"symbol": "x", "size": 11, "color": COLORS["marker"]},
+                "hovertemplate": "expert %{x}: ablated<extra></extra>",
+            }
+        )
+    e = len(before)
+    return figure(
+        traces,
+        f"Block {block}: tokens per expert, baseline and intervened",
+        height=380,
+        barmode="group",
+        shapes=group_lines(e, per_group, color="#999", width=1, dash="dot"),
+        xaxis={"title": {"text": "routed expert (dotted lines: groups)"}},
+        yaxis={"title": {"text": "tokens routed"}},
+    )
+
+
+def lens_changes_figure(lc: LensChange, labels: list[str]) -> go.Figure:
+    """Where the logit lens's top-1 token changed (the new token written in the cell)."""
+    rows = [f"block {i}" for i in lc.layers]
+    colors = [[0, "#F2F2F2"], [1, COLORS["ffn"]]]
+    heat = heatmap(
+        lc.changed,
+        rows,
+        "%{y} · position %{x}<br>%{customdata}",
+        x=labels,
+        zmin=0,
+        zmax=1,
+        colorscale=colors,
+        showscale=False,
+        customdata=lc.hover,
+        xgap=1,
+        ygap=1,
+    )
+    title = "Logit lens: where the top-1 token changed (orange; the cell names the new one, hover: before → after)"
+    xaxis = positions(labels, "position (predicting the next token)")
+    return rows_figure([write_cells(heat, lc.text, len(labels))], rows, title, xaxis, lo=260, per=40)
+
+
+def next_token_change_figure(df: pd.DataFrame) -> go.Figure:
+    """The top next tokens of either run, with their probability in both."""
+    y = list(df["shown"])
+    traces = [
+        {
+            "type": "bar",
+            "x": df[column],
+            "y": y,
+            "orientation": "h",
+            "name": name,
+            "marker": {"color": color},
+            "customdata": np.stack([df["token_id"], df["delta"]], -1),
+            "hovertemplate": "%{y} (id %{customdata[0]})<br>"
+            + name
+            + ": p = %{x:.4f}<br>change %{customdata[1]:+.4f}<extra></extra>",
+        }
+        for column, name, color in (("prob_a", "baseline", BEFORE), ("prob_b", "intervened", AFTER))
+    ]
+    return figure(
+        traces,
+        "Next token after the last position, baseline and intervened",
+        height=130 + 30 * len(df),
+        barmode="group",
+        yaxis={**reversed_axis(), "type": "category"},
+        xaxis={"title": {"text": "probability"}},
+    )
