@@ -245,6 +245,10 @@ def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_pat
     a, b = Trace.load(single), Trace.load(pair)
     assert set(a.tensors) == set(b.tensors)
     for name in a.tensors:
+        if name.startswith("next.") and a[name].is_floating_point():
+            # the head's vocabulary split changes the float32 products' blocking (the last bit), not the top tokens
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7)
+            continue
         assert torch.equal(a[name], b[name]), name  # default sites: bitwise the one-process values
 
 

@@ -11,7 +11,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
 def test_every_hook_point_of_the_model_is_a_registry_row_with_its_legend():
-    model = build_model(TINY, gate_bias=True)  # a dense block, then MoE blocks
+    model = build_model(TINY)  # a dense block, then MoE blocks
     points = hook_points(model)
     assert points
     for name, point in points.items():
@@ -25,7 +25,7 @@ def test_every_hook_point_of_the_model_is_a_registry_row_with_its_legend():
 
 
 def test_derived_rows_name_what_they_are_computed_from():
-    suffixes = {row.suffix for row in REGISTRY}
+    suffixes = {row.suffix for row in REGISTRY}  # model-level rows' patterns too
     for row in REGISTRY:
         assert row.blocks in ("all", "moe", "model"), row.pattern
         assert row.derived_from is None or row.derived_from in suffixes, row.pattern

@@ -241,7 +241,9 @@ def test_prefill_then_decode_fills_the_sites_of_one_prefill(tiny_model, trace, n
         assert (decoded[name].shape, decoded[name].dtype) == (value.shape, value.dtype), name
     head = trace_tokens(tiny_model, IDS[:n], record=RECORD)
     for name, value in head.tensors.items():
-        if name != "logits.last" and value.dim() and value.shape[0] == n:  # key and top-k columns: the first n
+        if name == "next.token_prob":  # after the last prompt position: the greedy token's, not the next one's
+            value = value[:-1]
+        if name != "logits.last" and value.dim() and value.shape[0] in (n, n - 1):  # key and top-k columns: the first n
             assert torch.equal(decoded[name][tuple(slice(0, size) for size in value.shape)], value), name
     T, K = len(IDS), TINY.index_topk
     for i in range(TINY.n_layers):
@@ -277,3 +279,14 @@ def test_decode_path_agrees_with_the_prefill_in_float32(tiny_source):
             finite = torch.isfinite(value)
             assert torch.equal(finite, torch.isfinite(decoded[name])), name
             assert torch.allclose(decoded[name][finite], value[finite], rtol=1e-4, atol=1e-5), name
+
+
+def test_index_grid_marks_each_rows_choices_and_skips_none():
+    import numpy as np
+
+    from tracing.grid import index_grid
+
+    chosen = np.array([[2, 0], [1, -1]])  # -1: no choice
+    assert index_grid(chosen, 3).tolist() == [[True, False, True], [False, True, False]]
+    assert index_grid(chosen, 3, np.arange(2), -1, np.int64).tolist() == [[1, -1, 0], [-1, 0, -1]]
+    assert index_grid(chosen, 3, [[0.5, 0.25], [1.0, 9.0]], 0.0, np.float32).tolist() == [[0.25, 0, 0.5], [0, 1.0, 0]]

@@ -1,4 +1,4 @@
-"""python -m tracing {run, export, info, eval, diff}: the command line of DESIGN.md.
+"""python -m tracing {run, export, info, eval, diff}: the command line of docs/architecture.md (Contracts).
 
 Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
 leaves no partial output file behind (outputs are written to a temporary name, then renamed); so
@@ -8,7 +8,6 @@ does an output that cannot be written (tracing.output).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -18,10 +17,10 @@ from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, exp
 from model.config import ConfigError, ModelArgs
 from model.ops import describe_cpu_route
 from model.params import count_params
+from model.progress import ProgressBar
 
 from .errors import InputError
 from .loading import open_checkpoint, open_synthetic, parse_device, parse_dtype, resolve_checkpoint
-from .progress import Progress
 from .tokenizer import TokenizerError
 from .trace import Trace, TraceError
 
@@ -51,16 +50,21 @@ def _load_patches(path: str) -> dict:
 def cmd_run(args: argparse.Namespace) -> int:
     from .output import Outputs, check_directory, check_file
     from .runner import trace_tokens
+    from .sampling import Sampling
     from .tables import stage_tables, tables
 
     check_file(args.out)  # before the run, which may take long; checked again when writing
+    sampling = Sampling(args.temperature, args.top_p, args.seed)  # bad values: before the model loads
+    if args.generate < 0:
+        raise InputError(f"--generate must be 0 or more, not {args.generate}")
     if args.csv:
         check_directory(args.csv)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
     stream = True if args.stream else None  # None: stream when the model does not fit in memory
+    draw = rank0 and sys.stderr.isatty()  # a progress bar redrawn in place is for a terminal, not a log
     stream_progress = None
-    if rank0 and sys.stderr.isatty():
+    if draw:
         from model.stream import print_progress
 
         stream_progress = print_progress()
@@ -83,14 +87,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = _token_ids(args.token_ids)
     patches = _load_patches(args.patch) if args.patch else None
     interventions = _interventions(args)
-    progress = Progress(len(loaded.model.layers), stream=sys.stderr if rank0 and not loaded.stream else io.StringIO())
+    progress = ProgressBar(len(loaded.model.layers), enabled=draw and not loaded.stream)  # streaming draws its own
     trace = trace_tokens(
         loaded.model,
         ids,
         prompt=args.prompt or "",
         record=args.record,
         patches=patches,
-        on_block=lambda i: progress.update(i + 1),
+        on_block=lambda i: progress.update(i + 1, f"layers.{i}"),
         extra={"checkpoint": loaded.label},
         token_strings=tokenizer.token_strings if tokenizer else None,
         interventions=interventions,
@@ -98,6 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         context=loaded.context(),
         plan=loaded.plan,
         prefill=args.prefill,
+        generate=args.generate,
+        sampling=sampling,
     )
     progress.close()
     if rank0 and (bad := trace.extra.get("nonfinite")):
@@ -112,20 +118,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _interventions(args: argparse.Namespace) -> list:
-    from .interventions import AblateExperts, IndexTopK, NoGateBias
+    from .interventions import from_spec
 
-    out = []
-    if args.ablate_experts:
-        out.append(AblateExperts.parse(args.ablate_experts))
-    if args.no_gate_bias:
-        out.append(NoGateBias())
     if args.dense_attention and args.index_topk is not None:
         raise InputError("--dense-attention and --index-topk exclude each other")
-    if args.dense_attention:
-        out.append(IndexTopK.dense())
-    if args.index_topk is not None:
-        out.append(IndexTopK(args.index_topk))
-    return out
+    no_bias = "all" if args.no_gate_bias else None
+    attention = "dense" if args.dense_attention else args.index_topk
+    return from_spec({"ablate": args.ablate_experts or "", "no_bias": no_bias, "attention": attention})
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -150,11 +149,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        source = SafetensorsSource(resolve_checkpoint(args.checkpoint))
-        config, gate_bias = source.args, source.has_gate_bias
+        config = SafetensorsSource(resolve_checkpoint(args.checkpoint)).args
     else:
-        config, gate_bias = ModelArgs.from_file(args.config), None
-    out = count_params(config, gate_bias)
+        config = ModelArgs.from_file(args.config)
+    out = count_params(config)
     out.update(
         n_layers=config.n_layers,
         n_dense_layers=config.n_dense_layers,
@@ -169,7 +167,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         cpu_products=describe_cpu_route(),
     )
     if args.tensors:
-        specs = expected_specs(config, gate_bias)
+        specs = expected_specs(config)
         out["tensors"] = {name: [list(s.shape), dtype_name(s.dtype)] for name, s in specs.items()}
     print(json.dumps(out))
     return 0
@@ -239,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the first N positions as one prefill and each later one alone through the decode path "
         "(absorbed attention over the cached latents, as a generation does); default: one prefill of all",
     )
+    run.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the prompt, generate N tokens through the decode path (stops after the end-of-sequence token)",
+    )
+    run.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 (default) is greedy; above 0 samples")
+    run.add_argument("--top-p", type=float, default=1.0, help="with --generate and a temperature: nucleus sampling (0, 1]")
+    run.add_argument("--seed", type=int, help="with --generate and a temperature: the sampling seed (default: drawn, recorded)")
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
     run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")

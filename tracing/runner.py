@@ -13,6 +13,7 @@ from model.transformer import Transformer
 from .errors import InputError
 from .interventions import Intervention
 from .nonfinite import first_nonfinite
+from .sampling import Sampling, choose
 from .trace import Trace
 from .tracer import Tracer
 
@@ -44,13 +45,19 @@ def trace_tokens(
     context: AbstractContextManager | None = None,
     plan=None,
     prefill: int | None = None,
+    generate: int = 0,
+    sampling: Sampling | None = None,
 ) -> Trace:
-    """Run ``ids`` through ``model``, recording the chosen sites (default: DESIGN.md's table).
+    """Run ``ids`` through ``model``, recording the chosen sites (default: the default sites, docs/architecture.md).
 
     ``prefill``: the first ``prefill`` positions run as one prefill, each later one alone through
     the decode path (absorbed MQA attention over the cached latents, the indexer over the cached
     FP8 keys), as a generation feeds its tokens back; the trace has the sites and shapes of one
     prefill of every position. Default: one prefill of all.
+
+    ``generate``: after the prompt, this many new tokens, each chosen from the last position's
+    logits (``sampling``: greedy by default) and fed back through the decode path; the run stops
+    early after the model's end-of-sequence token. The trace covers every position that ran.
 
     ``token_strings`` (a tokenizer's) names the prompt's tokens and the predicted ones the tables
     show (logit lens, next token), so a trace file reads without the tokenizer. ``context`` is
@@ -58,27 +65,53 @@ def trace_tokens(
     ``plan`` is the tensor-parallel plan when the model is split over ranks.
     """
     check_token_ids(ids, model, max_tokens)
+    if generate < 0:
+        raise InputError(f"--generate must be 0 or more, not {generate}")
+    limit = max_tokens or model.args.max_seq_len
+    if len(ids) + generate > limit:
+        raise InputError(f"{len(ids)} prompt tokens + {generate} generated exceed the {limit} this model takes")
+    sampling = (sampling or Sampling()).seeded()
     n_prefill = len(ids) if prefill is None else prefill
     if not 1 <= n_prefill <= len(ids):
         raise InputError(f"--prefill {n_prefill}: must be between 1 and {len(ids)}, the number of tokens")
-    if patches and n_prefill < len(ids):
-        raise InputError("--patch applies to one prefill of every position: it cannot be combined with --prefill")
+    if patches and (n_prefill < len(ids) or generate):
+        what = "--generate" if generate else "--prefill"
+        raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
     if device is None:
         device = model.embed.weight.device
         device = torch.device("cpu") if device.type == "meta" else device
     with torch.inference_mode():
         batch = torch.tensor([ids], dtype=torch.long, device=device)
+        ids = list(ids)
+        n_prompt, stopped = len(ids), None
         with Tracer(model, record, patches, on_block, interventions, plan) as tracer, context or nullcontext():
+            tracer.token_ids = ids  # the tracer reads each position's following token (appended as chosen)
             cache = model.new_cache()
-            model(batch[:, :n_prefill], cache=cache)
+            logits = model(batch[:, :n_prefill], cache=cache)
             for pos in range(n_prefill, len(ids)):  # the decode path, one position at a time
                 tracer.next_pass(pos)
-                model(batch[:, pos : pos + 1], start_pos=pos, cache=cache)
+                logits = model(batch[:, pos : pos + 1], start_pos=pos, cache=cache)
+            generator = sampling.generator()
+            for _ in range(generate):
+                ids.append(choose(logits[0], sampling, generator))
+                tracer.next_pass(len(ids) - 1)
+                logits = model(torch.tensor([ids[-1:]], device=device), start_pos=len(ids) - 1, cache=cache)
+                if ids[-1] == model.args.eos_token_id:
+                    stopped = "eos"
+                    break
         values = tracer.merged(len(ids))
     values["tokens"] = torch.tensor(ids, dtype=torch.int64)
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
-    if n_prefill < len(ids):
+    if n_prefill < n_prompt:
         info["prefill"] = n_prefill  # positions n_prefill.. ran through the decode path
+    if generate:
+        info["generation"] = {
+            "start": n_prompt,  # the first generated position
+            "requested": generate,
+            "generated": len(ids) - n_prompt,
+            "stopped": stopped or "length",
+            **sampling.describe(),
+        }
     if (bad := first_nonfinite(values, model.args, len(ids))) is not None:
         info["nonfinite"] = bad.as_dict()
     if patches:
@@ -91,15 +124,17 @@ def trace_tokens(
     if token_strings is not None:
         shown = _predicted_ids(values)
         info["vocab"] = dict(zip(map(str, shown), token_strings(shown), strict=True))
-        tokens = tokens or token_strings(ids)
+        tokens = tokens if tokens is not None and len(tokens) == len(ids) else token_strings(ids)
     info.update(extra or {})
-    return Trace(values, config, tokens or [f"<{i}>" for i in ids], prompt, info)
+    if tokens is None or len(tokens) != len(ids):
+        tokens = [f"<{i}>" for i in ids]
+    return Trace(values, config, tokens, prompt, info)
 
 
 def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
     ids: set[int] = set()
     for name, value in values.items():
-        if name.endswith("logit_lens.topk_indices"):
+        if name.endswith(("logit_lens.topk_indices", "next.topk_indices")):
             ids.update(value.flatten().tolist())
     if "logits.last" in values:
         ids.update(values["logits.last"].topk(min(top, values["logits.last"].numel())).indices.tolist())

@@ -146,10 +146,51 @@ REGISTRY: tuple[SiteSpec, ...] = (
     SiteSpec("layers.{i}.logit_lens.topk_probs", "T L", F32, "their probabilities", derived_from="resid_post", patchable=False),
     SiteSpec("logits.last", "B V", F32, "logits at the last position", blocks="model", default=True),
     SiteSpec("logits.all", "B T V", F32, "every position's logits (large: on request)", blocks="model"),
+    SiteSpec(
+        "next.topk_indices",
+        "T A",
+        I64,
+        "each position's 10 most likely next tokens, best first (the first is the greedy choice)",
+        blocks="model",
+        default=True,
+        derived_from="logits.last",
+        patchable=False,
+    ),
+    SiteSpec(
+        "next.topk_probs",
+        "T A",
+        F32,
+        "their probabilities (softmax of the position's logits, temperature 1)",
+        blocks="model",
+        default=True,
+        derived_from="logits.last",
+        patchable=False,
+    ),
+    SiteSpec(
+        "next.entropy",
+        "T",
+        F32,
+        "entropy of each position's next-token distribution, in nats",
+        blocks="model",
+        default=True,
+        derived_from="logits.last",
+        patchable=False,
+    ),
+    SiteSpec(
+        "next.token_prob",
+        "T",
+        F32,
+        "the probability each position gave the token that follows it (after the last: its greedy choice)",
+        blocks="model",
+        default=True,
+        derived_from="logits.last",
+        patchable=False,
+    ),
 )
 # the logit lens costs a head product per block (more than the forward of a small model): on request
 LOGIT_LENS = "layers.*.logit_lens.*"
 LOGIT_LENS_TOPK = 5
+NEXT_TOPK = 10  # alternatives recorded per position (next.topk_*)
 DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.default)
 _BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks != "model"}
 _TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
@@ -161,6 +202,13 @@ def hook_points(model: torch.nn.Module) -> dict[str, HookPoint]:
 
 Site = tuple[str, torch.dtype]  # (shape legend, recorded dtype)
 _LAYER_SITE = re.compile(r"layers\.(0|[1-9][0-9]{0,8})\.(.+)")  # canonical block indices only: one name per site
+
+
+def next_topk(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NEXT_TOPK most likely tokens of each row of float32 logits (..., V), best first, and their
+    probabilities: what ``next.topk_*`` record, and the greedy choice (the first) of a generation."""
+    top = logits.topk(min(NEXT_TOPK, logits.shape[-1]), dim=-1)
+    return top.indices, (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp()
 
 
 def site_name(block: int, suffix: str) -> str:
@@ -252,6 +300,7 @@ def dims(args: ModelArgs, name: str, n_tokens: int) -> dict[str, int]:
         "topk_groups": args.n_limited_groups,
         "V": args.vocab_size,
         "L": LOGIT_LENS_TOPK,
+        "A": NEXT_TOPK,
     }
 
 
@@ -270,7 +319,7 @@ def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | 
         return 0, args.n_routed_experts
     if name.endswith("ffn.gate.groups"):
         return 0, args.n_expert_groups
-    if name.endswith("logit_lens.topk_indices"):
+    if name.endswith(("logit_lens.topk_indices", "next.topk_indices")):
         return 0, args.vocab_size
     return None
 

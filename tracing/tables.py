@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .grid import index_grid
 from .output import Outputs
 from .trace import Trace
 
@@ -24,9 +25,50 @@ def _positions(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(trace.n_tokens), np.asarray(trace.tokens, dtype=object)
 
 
+def phases(trace: Trace) -> np.ndarray:
+    """Per position, the code path that ran it: ``prefill`` (MHA over the prompt) or ``decode`` (one
+    position at a time over the caches: after ``--prefill N``, and every generated token)."""
+    n = trace.n_tokens
+    start = min(trace.extra.get("prefill", n), trace.extra.get("generation", {}).get("start", n))
+    return np.where(np.arange(n) < start, "prefill", "decode").astype(object)
+
+
+def generated(trace: Trace) -> np.ndarray:
+    """Per position, whether the model chose the token (a generation) rather than the prompt."""
+    return np.arange(trace.n_tokens) >= trace.extra.get("generation", {}).get("start", trace.n_tokens)
+
+
 def tokens_table(trace: Trace) -> pd.DataFrame:
     pos, tok = _positions(trace)
-    return pd.DataFrame({"position": pos, "token_id": np.asarray(trace.token_ids), "token": tok})
+    frame = {"position": pos, "token_id": np.asarray(trace.token_ids), "token": tok, "phase": phases(trace)}
+    return pd.DataFrame({**frame, "generated": generated(trace)})
+
+
+def steps_table(trace: Trace) -> pd.DataFrame:
+    """Per position: its token, the probability the position before gave it, that distribution's
+    entropy and its top alternatives (what the model almost wrote there), and the code path."""
+    if "next.topk_indices" not in trace:
+        return pd.DataFrame()
+    pos, tok = _positions(trace)
+    top, probs = trace["next.topk_indices"].numpy(), trace["next.topk_probs"].numpy()  # (T, A): for position + 1
+    frame: dict = {"position": pos, "phase": phases(trace), "generated": generated(trace)}
+    frame.update(token_id=np.asarray(trace.token_ids), token=tok)
+    before = np.full(trace.n_tokens, np.nan)  # the position before each one's distribution
+    if "next.token_prob" in trace:
+        before[1:] = trace["next.token_prob"].numpy()[:-1]
+    frame["chosen_prob"] = before
+    if "next.entropy" in trace:
+        entropy = np.full(trace.n_tokens, np.nan)
+        entropy[1:] = trace["next.entropy"].numpy()[:-1]
+        frame["entropy"] = entropy
+    for rank in range(top.shape[1]):
+        ids = np.full(trace.n_tokens, -1)
+        ids[1:] = top[:-1, rank]
+        p = np.full(trace.n_tokens, np.nan)
+        p[1:] = probs[:-1, rank]
+        frame[f"alt{rank + 1}"] = np.asarray(["" if i < 0 else name for i, name in zip(ids, _names(trace, ids), strict=True)])
+        frame[f"alt{rank + 1}_prob"] = p
+    return pd.DataFrame(frame)
 
 
 def residual_table(trace: Trace) -> pd.DataFrame:
@@ -64,12 +106,9 @@ def router_table(trace: Trace) -> pd.DataFrame:
     frames = []
     for i in trace.layers_with("ffn.gate.topk_indices"):
         idx = trace.site(i, "ffn.gate.topk_indices").numpy()  # (T, k)
-        rank = np.full((n, e), -1, dtype=np.int64)
-        weight = np.zeros((n, e), dtype=np.float32)
-        rows = np.repeat(np.arange(n), idx.shape[1])
-        rank[rows, idx.ravel()] = np.tile(np.arange(idx.shape[1]), n)
-        if trace.site(i, "ffn.gate.topk_weights") is not None:
-            weight[rows, idx.ravel()] = trace.site(i, "ffn.gate.topk_weights").numpy().ravel()
+        rank = index_grid(idx, e, np.arange(idx.shape[1]), -1, np.int64)  # (T, E)
+        w = trace.site(i, "ffn.gate.topk_weights")
+        weight = index_grid(idx, e, 0 if w is None else w.numpy(), 0, np.float32)  # (T, E)
         data = {
             "layer": i,
             "position": np.repeat(pos, e),
@@ -80,10 +119,9 @@ def router_table(trace: Trace) -> pd.DataFrame:
         for site, column in (("scores", "score"), ("biased_scores", "biased_score")):
             if trace.site(i, f"ffn.gate.{site}") is not None:
                 data[column] = trace.site(i, f"ffn.gate.{site}").numpy().ravel()
-        if trace.site(i, "ffn.gate.groups") is not None:
-            chosen = np.zeros((n, cfg.n_expert_groups), dtype=bool)
-            groups = trace.site(i, "ffn.gate.groups").numpy()
-            chosen[np.repeat(np.arange(n), groups.shape[1]), groups.ravel()] = True
+        groups = trace.site(i, "ffn.gate.groups")
+        if groups is not None:
+            chosen = index_grid(groups.numpy(), cfg.n_expert_groups)  # (T, G)
             data["group_chosen"] = chosen[:, np.arange(e) // per_group].ravel()
         data["selected"] = rank.ravel() >= 0
         data["rank"] = rank.ravel()
@@ -122,10 +160,8 @@ def groups_table(trace: Trace) -> pd.DataFrame:
     n, g = trace.n_tokens, cfg.n_expert_groups
     frames = []
     for i in trace.layers_with("ffn.gate.group_scores"):
-        chosen = np.zeros((n, g), dtype=bool)
-        if trace.site(i, "ffn.gate.groups") is not None:
-            groups = trace.site(i, "ffn.gate.groups").numpy()
-            chosen[np.repeat(np.arange(n), groups.shape[1]), groups.ravel()] = True
+        groups = trace.site(i, "ffn.gate.groups")
+        chosen = np.zeros((n, g), dtype=bool) if groups is None else index_grid(groups.numpy(), g)  # (T, G)
         frames.append(
             pd.DataFrame(
                 {
@@ -159,9 +195,7 @@ def indexer_table(trace: Trace) -> pd.DataFrame:
         }
         if trace.site(i, "attn.indexer.topk_indices") is not None:
             topk = trace.site(i, "attn.indexer.topk_indices").numpy()
-            rank = np.full((n, n + 1), -1, dtype=np.int64)
-            slot = np.where(topk < 0, n, topk)
-            rank[np.repeat(np.arange(n), topk.shape[1]), slot.ravel()] = np.tile(np.arange(topk.shape[1]), n)
+            rank = index_grid(topk, n, np.arange(topk.shape[1]), -1, np.int64)  # (T, S)
             data["selected"] = rank[q, k] >= 0
             data["rank"] = rank[q, k]
         if trace.site(i, "attn.probs_mean") is not None:
@@ -234,6 +268,7 @@ BUILDERS = {
     "indexer_recall": recall_table,
     "logit_lens": logit_lens_table,
     "next_token": next_token_table,
+    "steps": steps_table,
 }
 
 

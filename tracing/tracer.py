@@ -20,7 +20,7 @@ from model.config import ModelArgs
 
 from .errors import InputError
 from .interventions import Intervention, Replace
-from .sites import LOGIT_LENS_TOPK, hook_points, layer_site, select, site_name, site_shapes, spec
+from .sites import LOGIT_LENS_TOPK, hook_points, layer_site, next_topk, select, site_name, site_shapes, spec
 
 
 class Tracer:
@@ -57,6 +57,9 @@ class Tracer:
         self.values: dict[str, torch.Tensor] = {}
         self._steps: list[dict[str, torch.Tensor]] = []  # earlier passes' values (decode steps)
         self._start_pos = 0  # position of this pass's first token
+        # the run's token ids (a generation appends to them): next.token_prob reads the following one
+        self.token_ids: list[int] = []
+        self._pending: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (next.token_prob, row, log-probs)
         self._seen: dict[str, torch.Tensor] = {}  # this pass's values that later hooks read
         self._handles: list = []
         self._thread: int | None = None
@@ -84,11 +87,13 @@ class Tracer:
         self._steps.append(self.values)
         self.values = {}
         self._start_pos = start_pos
+        self._settle()
 
     def merged(self, n_positions: int) -> dict[str, torch.Tensor]:
         """Every pass's values as one prefill of all ``n_positions`` would record them: rows
         concatenated; key columns (S) padded to all positions with -inf (scores) or 0
         (probabilities), selection columns (K) with -1; a last-position value from the last pass."""
+        self._settle(last=True)
         steps = [*self._steps, self.values]
         if len(steps) == 1:
             return self.values
@@ -167,12 +172,14 @@ class Tracer:
         if self.on_block is not None:
             for i, block in enumerate(self.model.layers):
                 self._handles.append(block.register_forward_pre_hook(self._progress(i)))
-        if self._lens:
+        self._next = [n for n in self.sites if n.startswith("next.")]
+        if self._lens or self._next:
             self._handles.append(self.model.norm.register_forward_hook(self._lens_norm))
             self._handles.append(self.model.head.register_forward_hook(self._lens_head))
 
     def _lens_norm(self, module, inputs, output):
         if self._mine():  # the module's forward, not its __call__: no hooks run again
+            self._seen["final_norm"] = output  # (B, T, D): what the head reads, at every position
             for i in self._lens:
                 stream = self._seen.pop(site_name(i, "resid_post"))
                 self._seen[f"lens.{i}"] = type(module).forward(module, stream, output.dtype)
@@ -180,12 +187,47 @@ class Tracer:
     def _lens_head(self, module, inputs, output):
         if not self._mine():
             return
+        normed = self._seen.pop("final_norm")
+        if self._next:
+            self._next_token(module, normed, output)
         for i in self._lens:
             probs = type(module).forward(module, self._seen.pop(f"lens.{i}")[0].float()).softmax(dim=-1)  # (T, V)
             top = probs.topk(LOGIT_LENS_TOPK, dim=-1)
             for site, value in (("topk_indices", top.indices), ("topk_probs", top.values.float())):
                 if (name := site_name(i, f"logit_lens.{site}")) in self.sites:
                     self.values[name] = value.cpu()
+
+    def _next_token(self, head, normed: torch.Tensor, output: torch.Tensor) -> None:
+        """next.*: every position's next-token distribution. The last position's logits are the
+        model's own (so a greedy choice equals next.topk_indices' first); the others are the same
+        head applied to the same normalised states."""
+        if output.dim() == 3:  # the model formed every position's logits (all_logits)
+            logits = output[0].float()  # (T, V)
+        else:
+            rest = type(head).forward(head, normed[0, :-1].float())  # (T - 1, V)
+            logits = torch.cat([rest, output.float()], dim=0)  # (T, V)
+        logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)  # as next_topk forms its probabilities
+        indices, probs = next_topk(logits)
+        entropy = torch.special.entr(logprobs.exp()).sum(dim=-1)  # (T,)
+        following = torch.tensor(self.token_ids[self._start_pos + 1 : self._start_pos + 1 + len(logits)], dtype=torch.long)
+        token_prob = logprobs[: len(following)].gather(1, following.to(logits.device)[:, None])[:, 0].exp()
+        token_prob = torch.cat([token_prob, probs[len(following) :, 0]])  # no following token yet: the greedy one's
+        values = {"topk_indices": indices, "topk_probs": probs, "entropy": entropy, "token_prob": token_prob}
+        for site, value in values.items():
+            if f"next.{site}" in self._next:
+                self.values[f"next.{site}"] = value.float().cpu() if value.is_floating_point() else value.cpu()
+        if len(following) < len(logits) and "next.token_prob" in self.values:  # settled when the token comes
+            self._pending = (self.values["next.token_prob"], len(logits) - 1, logprobs[-1].cpu())
+
+    def _settle(self, last: bool = False) -> None:
+        """The probability the last position of the pass before gave the token that came next (a
+        generation appends it before the next pass); after the run's last position, the greedy one's."""
+        if self._pending is None:
+            return
+        value, row, logprobs = self._pending
+        self._pending = None
+        if not last and self._start_pos < len(self.token_ids):
+            value[row] = logprobs[self.token_ids[self._start_pos]].exp()
 
     def _hook(self, name: str, record: bool, patch, replacers: list[Replace], derived: list[str], keep: bool):
         def hook(module, inputs, output):
