@@ -27,7 +27,7 @@ class MLA(nn.Module):
 
     def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
+        linear = fp8.linear_dtype(args.dtype, weight_dtype)
         fmt = args.scale_fmt
         self.dim = args.dim
         self.n_heads = args.n_heads

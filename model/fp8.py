@@ -30,6 +30,11 @@ FP8_MAX = 448.0
 _FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32).item()
 
 
+def linear_dtype(checkpoint_dtype: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the linear layers' weights: e4m3 for an ``fp8`` checkpoint, else ``weight_dtype``."""
+    return FP8 if checkpoint_dtype == "fp8" else weight_dtype
+
+
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """2**ceil(log2(x)) for positive float32 x, from the exponent bits as the kernel computes it."""
     bits = x.view(torch.int32)

@@ -24,7 +24,7 @@ class Indexer(nn.Module):
 
     def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
+        linear = fp8.linear_dtype(args.dtype, weight_dtype)
         self.dim = args.dim
         self.n_heads = args.index_n_heads
         self.head_dim = args.index_head_dim

@@ -146,7 +146,7 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
+        linear = fp8.linear_dtype(args.dtype, weight_dtype)
         self.dim = args.dim
         self.n_routed_experts = args.n_routed_experts
         self.n_activated_experts = args.n_activated_experts

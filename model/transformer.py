@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8
 from .attention import MLA
 from .cache import Cache, LayerCache
 from .config import ModelArgs
@@ -47,7 +48,7 @@ class Block(nn.Module):
         weight_dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
-        linear = torch.float8_e4m3fn if args.dtype == "fp8" else weight_dtype
+        linear = fp8.linear_dtype(args.dtype, weight_dtype)
         self.layer_id = layer_id
         self.dtype = dtype  # activations between the float32 sums
         self.attn = MLA(args, weight_dtype)

@@ -40,6 +40,7 @@ from model.checkpoint import build_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.stream import print_progress, stream_forward  # noqa: E402
 from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
+from tracing.sites import site_name  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "assets" / "configs" / "config_671B_hf.json"
 
@@ -48,10 +49,10 @@ def trace_sites(args: ModelArgs) -> list[str]:
     """The default trace sites (docs/architecture.md) for this config."""
     names = []
     for i in range(args.n_layers):
-        names += [f"layers.{i}.resid_pre", f"layers.{i}.resid_mid", f"layers.{i}.resid_post"]
-        names += [f"layers.{i}.attn.indexer.scores", f"layers.{i}.attn.indexer.topk_indices"]
+        names += [site_name(i, "resid_pre"), site_name(i, "resid_mid"), site_name(i, "resid_post")]
+        names += [site_name(i, "attn.indexer.scores"), site_name(i, "attn.indexer.topk_indices")]
         if args.is_moe(i):
-            names += [f"layers.{i}.ffn.gate.{s}" for s in ("scores", "topk_indices", "topk_weights")]
+            names += [site_name(i, f"ffn.gate.{s}") for s in ("scores", "topk_indices", "topk_weights")]
     return names + ["logits.last"]
 
 
@@ -76,20 +77,20 @@ def check_trace(trace: dict[str, torch.Tensor], args: ModelArgs, n_tokens: int) 
         problems.append(f"unexpected sites recorded: {extra[:3]}")
     future = torch.ones(T, T, dtype=torch.bool).triu(1)  # key after query: masked
     for i in range(args.n_layers):
-        stream = [expect(f"layers.{i}.{s}", (T, D), torch.float32) for s in ("resid_pre", "resid_mid", "resid_post")]
+        stream = [expect(site_name(i, s), (T, D), torch.float32) for s in ("resid_pre", "resid_mid", "resid_post")]
         for s, value in zip(("resid_pre", "resid_mid", "resid_post"), stream, strict=True):
             if value is not None and not torch.isfinite(value).all():
                 problems.append(f"layers.{i}.{s}: not finite")
-        nxt = trace.get(f"layers.{i + 1}.resid_pre")
+        nxt = trace.get(site_name(i + 1, "resid_pre"))
         if stream[2] is not None and nxt is not None and not torch.equal(stream[2], nxt):
             problems.append(f"layers.{i}.resid_post differs from layers.{i + 1}.resid_pre")
-        scores = expect(f"layers.{i}.attn.indexer.scores", (T, T), torch.float32)
+        scores = expect(site_name(i, "attn.indexer.scores"), (T, T), torch.float32)
         if scores is not None:
             if not torch.isneginf(scores[future]).all():
                 problems.append(f"layers.{i}.attn.indexer.scores: a future key is not -inf")
             if not torch.isfinite(scores[~future]).all():
                 problems.append(f"layers.{i}.attn.indexer.scores: a visible key is not finite")
-        topk = expect(f"layers.{i}.attn.indexer.topk_indices", (T, K), torch.int64)
+        topk = expect(site_name(i, "attn.indexer.topk_indices"), (T, K), torch.int64)
         if topk is not None:
             for t in range(T):
                 row, n_visible = topk[t], min(t + 1, K)
@@ -102,16 +103,16 @@ def check_trace(trace: dict[str, torch.Tensor], args: ModelArgs, n_tokens: int) 
                     break
         if not args.is_moe(i):
             continue
-        gate_scores = expect(f"layers.{i}.ffn.gate.scores", (T, E), torch.float32)
+        gate_scores = expect(site_name(i, "ffn.gate.scores"), (T, E), torch.float32)
         if gate_scores is not None and args.score_func == "sigmoid" and not ((gate_scores >= 0) & (gate_scores <= 1)).all():
             problems.append(f"layers.{i}.ffn.gate.scores: outside [0, 1]")
-        idx = expect(f"layers.{i}.ffn.gate.topk_indices", (T, k), torch.int64)
+        idx = expect(site_name(i, "ffn.gate.topk_indices"), (T, k), torch.int64)
         if idx is not None:
             if ((idx < 0) | (idx >= E)).any():
                 problems.append(f"layers.{i}.ffn.gate.topk_indices: an expert outside 0..{E - 1}")
             elif any(len(set(row)) != k for row in idx.tolist()):
                 problems.append(f"layers.{i}.ffn.gate.topk_indices: an expert chosen twice for one token")
-        weights = expect(f"layers.{i}.ffn.gate.topk_weights", (T, k), torch.float32)
+        weights = expect(site_name(i, "ffn.gate.topk_weights"), (T, k), torch.float32)
         if weights is not None and args.score_func == "sigmoid":
             total = torch.full((T,), float(args.route_scale))
             if not torch.allclose(weights.sum(-1), total, rtol=1e-5, atol=1e-5):

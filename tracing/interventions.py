@@ -19,6 +19,7 @@ from model.moe import RouterRule, select_experts
 from model.ops import topk
 
 from .errors import InputError
+from .sites import site_name
 
 # a replacement: (the point's output, values already seen in this pass) -> new output or None
 Replace = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor | None]
@@ -81,7 +82,7 @@ class AblateExperts(Intervention):
                 out[..., list(ids)] = float("-inf")
                 return out
 
-            out[f"layers.{layer}.ffn.gate.biased_scores"] = mask
+            out[site_name(layer, "ffn.gate.biased_scores")] = mask
         return out
 
     def describe(self) -> str:
@@ -99,7 +100,7 @@ class NoGateBias(Intervention):
         out: dict[str, Replace] = {}
         rule = RouterRule.of(args)
         for layer in _moe_layers(args, self.layers):
-            site = f"layers.{layer}.ffn.gate"
+            site = site_name(layer, "ffn.gate")
             out[f"{site}.biased_scores"] = lambda value, seen, s=site: seen[f"{s}.scores"]
             out[f"{site}.group_scores"] = lambda value, seen, s=site: (
                 select_experts(seen[f"{s}.biased_scores"], None, rule).group_scores
@@ -127,7 +128,7 @@ class IndexTopK(Intervention):
             raise InputError("--index-topk must be positive")
         out: dict[str, Replace] = {}
         for layer in range(args.n_layers):
-            site = f"layers.{layer}.attn.indexer"
+            site = site_name(layer, "attn.indexer")
 
             def select(value, seen, s=site):
                 scores = seen[f"{s}.scores"]  # (B, T, S), -inf where masked
