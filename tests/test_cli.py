@@ -205,10 +205,11 @@ def test_streaming_gives_the_same_trace_file(capsys, tiny_checkpoint, tmp_path):
     assert Trace.load(decoded).extra["prefill"] == 5
 
 
-def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("more", [[], ["--prefill", "6", "--generate", "3"]], ids=["prefill", "decode and generate"])
+def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_path, more):
     ids = "1,2,3,4,5,6,7,8,9,10,11,12"
     single, pair = tmp_path / "single.safetensors", tmp_path / "pair.safetensors"
-    assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(single)]) == 0
+    assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(single), *more]) == 0
     import socket
 
     with socket.socket() as s:
@@ -235,6 +236,7 @@ def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_pat
             ids,
             "--out",
             str(pair),
+            *more,
         ],
         capture_output=True,
         text=True,
@@ -245,6 +247,11 @@ def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_pat
     a, b = Trace.load(single), Trace.load(pair)
     assert set(a.tensors) == set(b.tensors)
     for name in a.tensors:
+        if more and a[name].is_floating_point():
+            # one position at a time, the row-parallel partial sums meet in another float32 order than
+            # in one process: values agree to the last bits, selections and generated tokens exactly
+            torch.testing.assert_close(a[name], b[name], rtol=2**-7, atol=1e-5)
+            continue
         if name.startswith("next.") and a[name].is_floating_point():
             # the head's vocabulary split changes the float32 products' blocking (the last bit), not the top tokens
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7)
