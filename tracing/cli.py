@@ -48,6 +48,7 @@ def _load_patches(path: str) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .chat import encode_chat
     from .output import Outputs, check_directory, check_file
     from .runner import trace_tokens
     from .sampling import Sampling
@@ -55,6 +56,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_file(args.out)  # before the run, which may take long; checked again when writing
     sampling = Sampling(args.temperature, args.top_p, args.seed)  # bad values: before the model loads
+    if args.chat and args.prompt is None:
+        raise InputError("--chat wraps a --prompt; token ids are used as they are")
+    if args.thinking and not args.chat:
+        raise InputError("--thinking applies to --chat")
     if args.generate < 0:
         raise InputError(f"--generate must be 0 or more, not {args.generate}")
     if args.csv:
@@ -82,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise InputError(f"{loaded.label} has no tokenizer.json: pass --token-ids")
         if not args.prompt.strip():
             raise InputError("the prompt is empty: nothing to trace")
-        ids = tokenizer.encode(args.prompt)
+        ids = encode_chat(tokenizer, args.prompt, args.thinking) if args.chat else tokenizer.encode(args.prompt)
     else:
         ids = _token_ids(args.token_ids)
     patches = _load_patches(args.patch) if args.patch else None
@@ -247,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 (default) is greedy; above 0 samples")
     run.add_argument("--top-p", type=float, default=1.0, help="with --generate and a temperature: nucleus sampling (0, 1]")
     run.add_argument("--seed", type=int, help="with --generate and a temperature: the sampling seed (default: drawn, recorded)")
+    run.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of DeepSeek-V3.2's chat format")
+    run.add_argument("--thinking", action="store_true", help="with --chat: the assistant turn starts in thinking mode")
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
     run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")

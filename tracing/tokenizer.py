@@ -66,6 +66,10 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a token by its text (a special token such as ``<｜User｜>``), or None."""
+        return self._tok.token_to_id(text)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
