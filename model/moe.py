@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8
+from . import fp8, ops
 from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
@@ -226,6 +226,18 @@ class MoE(nn.Module):
         if _grouped_mm is None or any(e is None for e in self.experts):
             return None
         linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # expert by expert
+        # the stacks stay valid while every expert holds the same weight tensors (a decode step would
+        # otherwise check hundreds of copies per block); anything else is worked out afresh
+        held = (ops.product_dtype(dtype), linears[0].cache_dequantized, *(lin.weight for lin in linears))
+        known = self.__dict__.get("_stacks_for")
+        if known is not None and len(known[0]) == len(held) and all(a is b for a, b in zip(known[0], held, strict=True)):
+            return known[1]
+        stacked = self._stack(linears, dtype)
+        if stacked is not None:  # held like Linear's own copies; a streamed block's weights are never held
+            self.__dict__["_stacks_for"] = (held, stacked)
+        return stacked
+
+    def _stack(self, linears: list[Linear], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         plans = [lin._prepared(dtype) for lin in linears]
         if any(copy is None or fast is False for fast, copy in plans):
             return None
