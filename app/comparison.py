@@ -10,7 +10,7 @@ import streamlit as st
 
 from app import widgets
 from app.core.traces import Entry, describe_interventions
-from app.topics import experts, interventions, predictions, router, tokens
+from app.topics import experts, generation, interventions, predictions, router, tokens
 from app.topics.export import OCTETS, ZIP, zip_bytes
 from app.topics.interventions import TABLES, changed_rows
 from tracing.diff import diff_tables, summary
@@ -26,6 +26,8 @@ def _show(key) -> None:
 
 def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
     a, b = base.trace, iv.trace
+    if not texts_part(base, iv):
+        return
     try:
         tables = iv.memo(("diff", base.key), lambda: diff_tables(a, b))
     except InputError as exc:
@@ -78,6 +80,35 @@ def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
         )
 
     diff_downloads(base, iv, tables)
+
+
+def texts_part(base: Entry, iv: Entry) -> bool:
+    """For generated runs, the two texts side by side and where they part. True when both wrote the
+    same tokens, so the position-by-position comparison applies."""
+    info = generation.generation(base.trace) or generation.generation(iv.trace)
+    if info is None:
+        return True
+    a, b = base.trace.token_ids, iv.trace.token_ids
+    parted = generation.first_difference(a, b)
+    start = int(info["start"])
+    st.subheader("Where the texts part", anchor=False)
+    if parted is None:
+        st.metric("First differing step", "none", help="Both runs wrote the same tokens")
+    else:
+        st.metric("First differing step", f"position {parted} (step {parted - start + 1})", help="outlined in red below")
+    left, right = st.columns(2, gap="large")
+    for column, entry, title in ((left, base, "Baseline"), (right, iv, "Intervened")):
+        with column, st.container(border=True):
+            st.markdown(f"**{title}** · {widgets.escape_md(entry.origin)}")
+            st.html(generation.coloured_text(entry.table("steps"), start, parted))
+    if parted is None:
+        return True
+    st.info(
+        f"The two runs wrote different tokens from position {parted} on: the block-by-block comparison needs the same "
+        "tokens in both runs. Set **Generate** to 0 in the sidebar to compare the prompt alone.",
+        icon=":material/call_split:",
+    )
+    return False
 
 
 def memo_figure(iv: Entry, base: Entry, name: str, build):

@@ -30,6 +30,7 @@ PAGES = (
     Page("residual", "Residual stream", ":material/stacked_line_chart:"),
     Page("attention", "Attention & indexer", ":material/grid_on:"),
     Page("router", "Router & experts", ":material/hub:"),
+    Page("generation", "Generation", ":material/edit_note:"),
     Page("interventions", "Interventions", ":material/science:"),
     Page("export", "Export", ":material/download:"),
 )

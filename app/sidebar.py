@@ -8,13 +8,15 @@ from pathlib import Path
 
 import streamlit as st
 
+from tracing.errors import InputError
 from tracing.nonfinite import first_nonfinite
+from tracing.sampling import Sampling
 
 from .core import settings
 from .core.errors import BAD_INPUT
 from .core.models import OpenModel, open_model
 from .core.session import SOURCES, current_entry
-from .core.traces import TraceKey, open_upload, store, trace_prompt
+from .core.traces import Generation, TraceKey, open_upload, store, token_limit, trace_prompt
 from .widgets import escape_md
 
 SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "upload": "Trace file"}
@@ -56,6 +58,7 @@ def render(notices) -> None:
                 label_visibility="collapsed",
                 help=f"Up to {settings.max_tokens()} tokens.",
             )
+            _generate_control(om)
             with st.expander("Run options"):
                 st.radio(
                     "Activation dtype",
@@ -130,14 +133,57 @@ def _upload_source(notices) -> None:
     st.session_state["trace_key"] = entry.key
 
 
+def _generate_control(om: OpenModel | None) -> None:
+    """How many tokens the model writes after the prompt, and how it picks them."""
+    limit = settings.max_tokens() if om is None else token_limit(om)
+    left, right = st.columns([1, 1])
+    left.number_input(
+        "Generate",
+        min_value=0,
+        max_value=limit,
+        step=1,
+        key="gen_tokens",
+        disabled=om is None,
+        help="New tokens the model writes after the prompt, each fed back through the decode path "
+        f"(0: trace the prompt alone). Prompt and new tokens together: at most {limit}.",
+    )
+    right.radio("Choice", ("greedy", "sampled"), key="gen_mode", disabled=om is None, help="Greedy: the most likely token.")
+    if st.session_state.get("gen_mode") == "sampled":
+        temperature, top_p, seed = st.columns(3)
+        temperature.number_input("Temperature", step=0.1, format="%.2f", key="gen_temperature", help="above 0")
+        top_p.number_input("Top-p", step=0.05, format="%.2f", key="gen_top_p", help="in (0, 1]")
+        seed.number_input("Seed", min_value=0, step=1, key="gen_seed", placeholder="random", help="blank: a new draw")
+
+
+def generation_request() -> Generation | None:
+    """The generation the sidebar asks for (None: the prompt alone), or InputError saying which value is wrong."""
+    tokens = st.session_state.get("gen_tokens") or 0
+    if st.session_state.get("gen_mode") != "sampled":
+        return Generation.of(int(tokens))
+    temperature = st.session_state.get("gen_temperature")
+    top_p = st.session_state.get("gen_top_p")
+    if temperature is None or not temperature > 0:
+        raise InputError(f"Sampling needs a temperature above 0, not {temperature} (choose greedy for the most likely token).")
+    if top_p is None or not 0 < top_p <= 1:
+        raise InputError(f"Top-p must be above 0 and at most 1, not {top_p}.")
+    seed = st.session_state.get("gen_seed")
+    return Generation.of(int(tokens), Sampling(float(temperature), float(top_p), None if seed is None else int(seed)))
+
+
 def _trace(om: OpenModel, run: bool, notices) -> None:
     """Trace on the button, on first load, and when the model changed under the shown trace."""
     key = st.session_state.get("trace_key")
     if not run and key is not None and key.on(om):
         return
     prompt = st.session_state.get("prompt", "")
-    if store().get(TraceKey.for_prompt(om, prompt)) is not None:
-        st.session_state["trace_key"] = TraceKey.for_prompt(om, prompt)
+    try:
+        generation = generation_request()
+    except InputError as exc:
+        notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
+        return
+    wanted = TraceKey.for_prompt(om, prompt, generation=generation)
+    if store().get(wanted) is not None:
+        st.session_state["trace_key"] = wanted
         return
     bar = notices.progress(0.0, text="Tracing…")
     n = om.args.n_layers
@@ -146,7 +192,7 @@ def _trace(om: OpenModel, run: bool, notices) -> None:
         bar.progress(i / n, text=f"Tracing block {i} ({i + 1} of {n})…")
 
     try:
-        entry = trace_prompt(om, prompt, on_block)
+        entry = trace_prompt(om, prompt, on_block, generation=generation)
     except BAD_INPUT as exc:
         bar.empty()
         notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
@@ -167,7 +213,7 @@ def _ensure_current(om: OpenModel | None, notices) -> None:
     if key.traced:
         try:
             model = om if om is not None and key.on(om) else open_model(key.checkpoint, key.dtype)
-            trace_prompt(model, key.prompt)
+            trace_prompt(model, key.prompt, generation=key.generation)
             return
         except BAD_INPUT as exc:
             notices.error(f"**The trace could not be made again.** {escape_md(str(exc))}", icon=":material/error:")

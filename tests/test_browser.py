@@ -124,3 +124,37 @@ def test_trace_a_prompt_in_the_browser(server):
             assert download.value.suggested_filename.endswith("-router.csv")
         finally:
             browser.close()
+
+
+def test_generate_in_the_browser(server):
+    """The sidebar's Generate control writes tokens; the Generation page draws the coloured text and its plots."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.set_default_timeout(120_000)
+            page.goto(server)
+            page.locator(".js-plotly-plot").first.wait_for()
+            page.get_by_role("link", name="Generation").click()
+            page.get_by_text("This trace only reads its prompt").wait_for()
+
+            sidebar = page.locator('[data-testid="stSidebar"]')
+            sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
+            tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
+            tokens.fill("5")
+            tokens.press("Enter")
+            page.get_by_role("button", name="Trace", exact=True).click()
+            page.locator(".generated-token").first.wait_for()
+            assert 1 <= page.locator(".generated-token").count() <= 5
+            main = page.locator('[data-testid="stMain"]')
+            main.get_by_text("The ten most likely tokens", exact=False).first.wait_for()
+            page.wait_for_function(
+                "() => document.querySelectorAll('[data-testid=\"stMain\"] .js-plotly-plot .main-svg').length >= 7"
+            )
+            assert main.get_by_text("how far back the indexer", exact=False).count() >= 1
+            page.set_viewport_size({"width": 1440, "height": 2400})
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(ARTIFACTS / "generation.png"))
+        finally:
+            browser.close()

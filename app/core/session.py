@@ -26,9 +26,29 @@ _DEFAULTS: dict[str, Any] = {
     "dtype": "bfloat16",
     "block": 0,
     "trace_key": None,  # the TraceKey of the trace this session shows
+    "gen_tokens": 0,  # new tokens written after the prompt (0: trace the prompt alone)
+    "gen_mode": "greedy",  # greedy | sampled
+    "gen_temperature": 0.8,
+    "gen_top_p": 0.95,
+    "gen_seed": None,  # None: a new draw each time
 }
 # widget values Streamlit would forget while their widget is not drawn (another page, another source)
-_KEEP = ("ckpt_dir", "prompt", "dtype", "block", "anatomy_component", "query", "attention_head", "router_biased")
+_KEEP = (
+    "ckpt_dir",
+    "prompt",
+    "dtype",
+    "block",
+    "anatomy_component",
+    "query",
+    "attention_head",
+    "router_biased",
+    "gen_tokens",
+    "gen_mode",
+    "gen_temperature",
+    "gen_top_p",
+    "gen_seed",
+    "gen_step",
+)
 
 
 def init() -> None:

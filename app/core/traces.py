@@ -21,6 +21,7 @@ from model.config import ModelArgs
 from tracing.errors import InputError
 from tracing.interventions import Intervention
 from tracing.runner import check_token_ids, trace_tokens
+from tracing.sampling import Sampling
 from tracing.sites import site_shapes
 from tracing.tables import BUILDERS
 from tracing.trace import Trace, TraceError
@@ -40,6 +41,23 @@ PER_HEAD_PROBS_BUDGET = 64 * 2**20  # bytes of per-head attention probabilities 
 
 
 @dataclass(frozen=True)
+class Generation:
+    """New tokens written after the prompt and how each is chosen. The seed of a sampled generation is
+    drawn before the key is made, so the key says how to make the same tokens again."""
+
+    tokens: int
+    sampling: Sampling = Sampling()
+
+    @classmethod
+    def of(cls, tokens: int, sampling: Sampling | None = None) -> Generation | None:
+        """None for no new tokens (a plain trace of the prompt); greedy settings in one form."""
+        if tokens <= 0:
+            return None
+        sampling = sampling or Sampling()
+        return cls(tokens, Sampling() if sampling.greedy else sampling.seeded())
+
+
+@dataclass(frozen=True)
 class TraceKey:
     """Which trace: a prompt traced on a checkpoint (maybe with changes to the run), or a trace file."""
 
@@ -49,10 +67,11 @@ class TraceKey:
     prompt: str = ""  # model
     variant: Hashable = None  # model: what changed the run (patches, interventions); None: a plain trace
     sha256: str = ""  # upload: the file's digest
+    generation: Generation | None = None  # model: the tokens written after the prompt; None: the prompt alone
 
     @classmethod
-    def for_prompt(cls, om: OpenModel, prompt: str, variant: Hashable = None) -> TraceKey:
-        return cls("model", str(om.path), om.dtype, prompt, variant)
+    def for_prompt(cls, om: OpenModel, prompt: str, variant: Hashable = None, generation: Generation | None = None) -> TraceKey:
+        return cls("model", str(om.path), om.dtype, prompt, variant, generation=generation)
 
     @classmethod
     def for_upload(cls, data: bytes) -> TraceKey:
@@ -64,7 +83,7 @@ class TraceKey:
 
     @property
     def plain(self) -> TraceKey:
-        """The same prompt on the same model, run unchanged."""
+        """The same prompt on the same model, run unchanged (writing the same number of tokens the same way)."""
         return replace(self, variant=None)
 
     def on(self, om: OpenModel) -> bool:
@@ -76,6 +95,8 @@ class TraceKey:
         values = ("upload", self.sha256) if not self.traced else ("model", self.checkpoint, self.dtype, self.prompt)
         if self.variant is not None:
             values = (*values, self.variant)
+        if self.generation is not None:
+            values = (*values, self.generation)
         return hashlib.sha256(repr(values).encode()).hexdigest()[:8]
 
 
@@ -157,6 +178,11 @@ def record_patterns(args: ModelArgs, n_tokens: int) -> list[str]:
     return [p for p in wanted if p == "default" or any(fnmatch.fnmatchcase(n, p) for n in names)]
 
 
+def token_limit(om: OpenModel) -> int:
+    """The most positions the app traces on this model, prompt and generated tokens together."""
+    return min(settings.max_tokens(), om.args.max_seq_len)
+
+
 def encode(om: OpenModel, prompt: str) -> list[int]:
     """Token ids of the prompt, or InputError saying what is wrong with it."""
     if not prompt.strip():
@@ -169,7 +195,7 @@ def encode(om: OpenModel, prompt: str) -> list[int]:
             raise InputError("This checkpoint has no tokenizer.json: type token ids, like 0, 17, 42.") from None
     else:
         ids = tokenizer.encode(prompt)
-    limit = min(settings.max_tokens(), om.args.max_seq_len)
+    limit = token_limit(om)
     if len(ids) > limit:
         raise InputError(
             f"The prompt is too long: {len(ids)} tokens, and the app traces at most {limit} "
@@ -187,6 +213,7 @@ def trace_prompt(
     patches: dict | None = None,
     variant: Hashable = None,
     interventions: Sequence[Intervention] = (),
+    generation: Generation | None = None,
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
@@ -194,7 +221,9 @@ def trace_prompt(
     ``variant`` names them in the store's key (a run with patches needs one), e.g. a digest of the
     intervention, so a baseline and its intervened twin are cached side by side. ``interventions``
     (tracing.interventions: ablations, no correction bias, another index_topk) are named in the key
-    by :func:`describe_interventions` on their own. InputError says what is wrong with either.
+    by :func:`describe_interventions` on their own. ``generation``: the tokens to write after the
+    prompt, through the decode path, with the interventions applied at every step; named in the key
+    too. InputError says what is wrong with any of them.
     """
     if patches and variant is None:
         raise ValueError("a patched trace needs a variant to tell it from the baseline in the store")
@@ -204,27 +233,45 @@ def trace_prompt(
         described = describe_interventions(interventions)
         variant = described if variant is None else (variant, described)
         named.append("; ".join(described))
-    key = TraceKey.for_prompt(om, prompt, variant)
+    key = TraceKey.for_prompt(om, prompt, variant, generation)
     entry = store().get(key)
     if entry is not None:
         return entry
     ids = encode(om, prompt)
+    new_tokens = generation.tokens if generation is not None else 0
+    limit = token_limit(om)
+    if len(ids) + new_tokens > limit:
+        raise InputError(
+            f"The prompt's {len(ids)} tokens and {new_tokens} new ones make {len(ids) + new_tokens}, more than the "
+            f"{limit} the app traces: generate at most {max(0, limit - len(ids))} tokens, or shorten the prompt."
+        )
     tokenizer = om.loaded.tokenizer
     started = time.perf_counter()
     trace = trace_tokens(
         om.loaded.model,
         ids,
         prompt=prompt,
-        record=record_patterns(om.args, len(ids)),
+        record=record_patterns(om.args, len(ids) + new_tokens),
         patches=patches,
         interventions=interventions,
         on_block=on_block,
         extra={"checkpoint": om.loaded.label},
-        max_tokens=len(ids),
+        max_tokens=limit,
         token_strings=tokenizer.token_strings if tokenizer is not None else None,
+        generate=new_tokens,
+        sampling=generation.sampling if generation is not None else None,
     )
+    if generation is not None:
+        named.append(describe_generation(generation))
     origin = " · ".join([om.label, om.dtype, *named])
     return store().put(Entry(key, trace, origin, time.perf_counter() - started))
+
+
+def describe_generation(generation: Generation) -> str:
+    """For people: ``+8 greedy`` or ``+8 sampled T=0.8 top-p 0.95 seed 3``."""
+    s = generation.sampling
+    how = "greedy" if s.greedy else f"sampled T={s.temperature:g} top-p {s.top_p:g} seed {s.seed}"
+    return f"+{generation.tokens} {how}"
 
 
 def describe_interventions(interventions: Sequence[Intervention]) -> tuple[str, ...]:

@@ -145,7 +145,8 @@ def no_model() -> None:
 
 
 def baseline(om: OpenModel) -> Entry | None:
-    """The plain trace of the prompt the session shows (also when it shows an intervened one)."""
+    """The plain trace of the prompt the session shows (also when it shows an intervened one), writing
+    the same tokens the same way when it generates: the intervened run generates with it."""
     key = st.session_state.get("trace_key")
     if key is None or not key.on(om):
         widgets.no_trace()
@@ -155,7 +156,7 @@ def baseline(om: OpenModel) -> Entry | None:
         return entry
     try:
         with st.spinner("Tracing the baseline…"):
-            return trace_prompt(om, key.prompt)
+            return trace_prompt(om, key.prompt, generation=key.generation)
     except BAD_INPUT as exc:
         st.error(f"**The baseline could not be traced.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
@@ -267,7 +268,7 @@ def run_now(om: OpenModel, base: Entry, cfg) -> None:
             bar.progress(i / cfg.n_layers, text=f"Block {i} ({i + 1} of {cfg.n_layers})…")
 
         try:
-            trace_prompt(om, base.key.prompt, on_block, interventions=changes)
+            trace_prompt(om, base.key.prompt, on_block, interventions=changes, generation=base.key.generation)
         finally:
             bar.empty()
     except BAD_INPUT as exc:
@@ -280,7 +281,7 @@ def intervened(om: OpenModel, base: Entry, spec: dict[str, Any]) -> Entry | None
     """The last run's trace, from the store, or run again when the store dropped it."""
     try:
         with st.spinner("Running with the interventions…"):
-            return trace_prompt(om, base.key.prompt, interventions=from_spec(spec))
+            return trace_prompt(om, base.key.prompt, interventions=from_spec(spec), generation=base.key.generation)
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
