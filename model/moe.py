@@ -158,6 +158,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, linear, args.scale_fmt)
         self.fp8 = linear == torch.float8_e4m3fn
         self.scale_fmt = args.scale_fmt
+        self.expert_out = HookPoint("N k D")  # each token's k weighted expert outputs, experts ascending, float32
         self.routed_out = HookPoint("N D")  # sum of the weighted routed experts, float32
         self.shared_out = HookPoint("N D")  # the shared expert's output
 
@@ -193,7 +194,7 @@ class MoE(nn.Module):
                 out[a:b] = expert(rows[a:b]) * scale[a:b]
         # regroup by token, each token's experts in ascending order, and add in that order
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
-        return self.add_slots(out[by_token].view(n, k, self.dim))  # (N, k, D) -> (N, D)
+        return self.add_slots(self.expert_out(out[by_token].view(n, k, self.dim)))  # (N, k, D) -> (N, D)
 
     def add_slots(self, contrib: torch.Tensor) -> torch.Tensor:
         """Each token's k weighted expert outputs (N, k, D), best-numbered expert first, added in

@@ -92,6 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = _token_ids(args.token_ids)
     patches = _load_patches(args.patch) if args.patch else None
     interventions = _interventions(args)
+    attribution = _attribution(args, tokenizer, len(ids), loaded.model.args.vocab_size)
     progress = ProgressBar(len(loaded.model.layers), enabled=draw and not loaded.stream)  # streaming draws its own
     trace = trace_tokens(
         loaded.model,
@@ -109,6 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         generate=args.generate,
         sampling=sampling,
+        attribution=attribution,
     )
     progress.close()
     if rank0 and (bad := trace.extra.get("nonfinite")):
@@ -122,6 +124,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attribution(args: argparse.Namespace, tokenizer, n_tokens: int, vocab_size: int):
+    """The --attribute request; a target or contrast given as text must be one token of the checkpoint's tokenizer."""
+    from .attribution import AttributionRequest
+
+    if not args.attribute:
+        for flag in ("position", "target", "contrast"):
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag} applies to --attribute")
+        return None
+    if args.generate or (args.prefill is not None and args.prefill < n_tokens):
+        raise InputError("--attribute applies to one prefill of every position: not with --prefill or --generate")
+    target, contrast = (_token(f"--{flag}", getattr(args, flag), tokenizer) for flag in ("target", "contrast"))
+    request = AttributionRequest(args.position, target, contrast)
+    request.check(n_tokens, vocab_size)  # before the run
+    return request
+
+
+def _token(flag: str, text: str | None, tokenizer) -> int | None:
+    """A token id from its number, or from its text (one token of the tokenizer, or a token's own name)."""
+    if text is None:
+        return None
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    if tokenizer is None:
+        raise InputError(f"{flag} {text!r}: no tokenizer to encode it with; pass a token id")
+    known = tokenizer.token_id(text)
+    if known is not None:
+        return known
+    ids = tokenizer.encode(text, add_bos=False)
+    if not ids:
+        raise InputError(f"{flag} {text!r} is not a token of this tokenizer")
+    if len(ids) > 1:
+        raise InputError(f"{flag} {text!r} is {len(ids)} tokens ({', '.join(map(str, ids))}); give one token")
+    return ids[0]
+
+
 def _interventions(args: argparse.Namespace) -> list:
     from .interventions import from_spec
 
@@ -129,7 +167,15 @@ def _interventions(args: argparse.Namespace) -> list:
         raise InputError("--dense-attention and --index-topk exclude each other")
     no_bias = "all" if args.no_gate_bias else None
     attention = "dense" if args.dense_attention else args.index_topk
-    return from_spec({"ablate": args.ablate_experts or "", "no_bias": no_bias, "attention": attention})
+    return from_spec(
+        {
+            "ablate": args.ablate_experts or "",
+            "zero_experts": args.zero_experts or "",
+            "ablate_heads": args.ablate_heads or "",
+            "no_bias": no_bias,
+            "attention": attention,
+        }
+    )
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -257,9 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
     run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")
+    run.add_argument("--zero-experts", metavar="LAYER:EXPERT,...", help="experts still chosen that contribute nothing")
+    run.add_argument("--ablate-heads", metavar="LAYER:HEAD,...", help="attention heads whose output is zero before wo")
     run.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
     run.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
     run.add_argument("--index-topk", type=int, help="a different index_topk for the sparse attention")
+    run.add_argument(
+        "--attribute",
+        action="store_true",
+        help="direct logit attribution: the target logit split over the embedding, heads, experts and MLPs",
+    )
+    run.add_argument("--position", type=int, help="with --attribute: the position (default: the last)")
+    run.add_argument("--target", metavar="TOKEN|ID", help="with --attribute: the token (default: the top prediction there)")
+    run.add_argument("--contrast", metavar="TOKEN|ID", help="with --attribute: attribute target minus this token's logit")
     run.set_defaults(func=cmd_run)
 
     dif = sub.add_parser("diff", help="compare two traces of one prompt: stream drift, changed experts and keys, predictions")

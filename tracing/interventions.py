@@ -40,12 +40,40 @@ class Intervention:
         return type(self).__name__
 
 
+def _pairs(flag: str, what: str, text: str) -> dict[int, tuple[int, ...]]:
+    """``LAYER:ID,LAYER:ID,...`` as block -> sorted distinct ids (experts or heads)."""
+    chosen: dict[int, list[int]] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        layer, sep, index = item.partition(":")
+        if not sep or not layer.strip().isdigit() or not index.strip().isdigit():
+            raise InputError(f"{flag} {item!r}: expected LAYER:{what}, e.g. 3:17")
+        chosen.setdefault(int(layer), []).append(int(index))
+    if not chosen:
+        raise InputError(f"{flag}: no LAYER:{what} given")
+    return {layer: tuple(sorted(set(ids))) for layer, ids in chosen.items()}
+
+
 def _moe_layers(args: ModelArgs, layers: tuple[int, ...] | None) -> list[int]:
     chosen = range(args.n_dense_layers, args.n_layers) if layers is None else layers
     for layer in chosen:
         if not args.n_dense_layers <= layer < args.n_layers:
             raise InputError(f"block {layer} is not a MoE block (MoE blocks: {args.n_dense_layers}..{args.n_layers - 1})")
     return list(chosen)
+
+
+def _checked_experts(args: ModelArgs, experts: dict[int, tuple[int, ...]]) -> list[tuple[int, tuple[int, ...]]]:
+    """(block, expert ids) of MoE blocks, each id a routed expert of this model."""
+    out = []
+    for layer in _moe_layers(args, tuple(experts)):
+        ids = experts[layer]
+        if any(not 0 <= e < args.n_routed_experts for e in ids):
+            raise InputError(f"block {layer}: experts are numbered 0..{args.n_routed_experts - 1}")
+        out.append((layer, ids))
+    return out
+
+
+def _listing(chosen: dict[int, tuple[int, ...]]) -> str:
+    return ", ".join(f"{layer}:{i}" for layer, ids in sorted(chosen.items()) for i in ids)
 
 
 @dataclass(frozen=True)
@@ -58,22 +86,11 @@ class AblateExperts(Intervention):
     @classmethod
     def parse(cls, text: str) -> AblateExperts:
         """``LAYER:EXPERT,LAYER:EXPERT,...`` (e.g. ``3:17,3:40,5:2``)."""
-        experts: dict[int, list[int]] = {}
-        for item in filter(None, (p.strip() for p in text.split(","))):
-            layer, sep, expert = item.partition(":")
-            if not sep or not layer.strip().isdigit() or not expert.strip().isdigit():
-                raise InputError(f"--ablate-experts {item!r}: expected LAYER:EXPERT, e.g. 3:17")
-            experts.setdefault(int(layer), []).append(int(expert))
-        if not experts:
-            raise InputError("--ablate-experts: no LAYER:EXPERT given")
-        return cls({layer: tuple(sorted(set(ids))) for layer, ids in experts.items()})
+        return cls(_pairs("--ablate-experts", "EXPERT", text))
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
         out: dict[str, Replace] = {}
-        for layer in _moe_layers(args, tuple(self.experts)):
-            ids = self.experts[layer]
-            if any(not 0 <= e < args.n_routed_experts for e in ids):
-                raise InputError(f"block {layer}: experts are numbered 0..{args.n_routed_experts - 1}")
+        for layer, ids in _checked_experts(args, self.experts):
             if args.n_routed_experts - len(ids) < args.n_activated_experts:
                 raise InputError(f"block {layer}: ablating {len(ids)} experts leaves fewer than k={args.n_activated_experts}")
 
@@ -86,7 +103,61 @@ class AblateExperts(Intervention):
         return out
 
     def describe(self) -> str:
-        return "ablate " + ", ".join(f"{layer}:{e}" for layer, ids in sorted(self.experts.items()) for e in ids)
+        return "ablate " + _listing(self.experts)
+
+
+@dataclass(frozen=True)
+class ZeroExperts(Intervention):
+    """Experts that are still chosen but contribute nothing: their weighted outputs are zeroed
+    before the routed sum, so routing (and every other expert's weight) stays as it was."""
+
+    experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> expert ids
+
+    def replacements(self, args: ModelArgs) -> dict[str, Replace]:
+        out: dict[str, Replace] = {}
+        for layer, ids in _checked_experts(args, self.experts):
+            site = site_name(layer, "ffn")
+
+            def zero(value, seen, s=site, ids=ids):
+                slots = seen[f"{s}.gate.topk_indices"].sort(dim=-1).values  # (N, k): expert_out's slots, ascending
+                silent = torch.isin(slots, torch.tensor(ids, device=slots.device))
+                return value.masked_fill(silent.unsqueeze(-1), 0.0)  # (N, k, D)
+
+            out[f"{site}.expert_out"] = zero
+        return out
+
+    def describe(self) -> str:
+        return "zero " + _listing(self.experts)
+
+
+@dataclass(frozen=True)
+class AblateHeads(Intervention):
+    """Attention heads whose output is zero before ``wo``: their probabilities are zeroed, so the
+    head reads no value (in the prefill and in the decode path alike); ``wo`` then rounds its input,
+    the zeros included, as it would any other."""
+
+    heads: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> head ids
+
+    def replacements(self, args: ModelArgs) -> dict[str, Replace]:
+        out: dict[str, Replace] = {}
+        for layer, ids in self.heads.items():
+            if not 0 <= layer < args.n_layers:
+                raise InputError(f"--ablate-heads: blocks are numbered 0..{args.n_layers - 1}")
+            if any(not 0 <= h < args.n_heads for h in ids):
+                raise InputError(f"block {layer}: heads are numbered 0..{args.n_heads - 1}")
+
+            def zero(value, seen, ids=ids):
+                if value.shape[2] != args.n_heads:
+                    raise InputError("--ablate-heads: a rank holds only its heads under tensor parallelism")
+                out = value.clone()
+                out[:, :, list(ids)] = 0.0  # (B, T, H, S)
+                return out
+
+            out[site_name(layer, "attn.probs")] = zero
+        return out
+
+    def describe(self) -> str:
+        return "ablate heads " + _listing(self.heads)
 
 
 @dataclass(frozen=True)
@@ -152,6 +223,7 @@ def from_spec(spec: Mapping[str, Any]) -> list[Intervention]:
     * ``ablate``: ``"LAYER:EXPERT,..."`` or ``{block: [experts]}``; empty or absent: none
     * ``no_bias``: ``None``, ``"all"`` or ``[blocks]``
     * ``attention``: ``None`` (the model's index_topk), ``"dense"`` or another index_topk
+    * ``zero_experts``, ``ablate_heads``: as ``ablate`` (``"LAYER:ID,..."`` or ``{block: [ids]}``)
 
     Each intervention checks its values against the model when it runs.
     """
@@ -161,6 +233,12 @@ def from_spec(spec: Mapping[str, Any]) -> list[Intervention]:
         out.append(AblateExperts.parse(ablate))
     elif ablate:
         out.append(AblateExperts({int(block): tuple(ids) for block, ids in ablate.items()}))
+    for key, kind, what in (("zero_experts", ZeroExperts, "EXPERT"), ("ablate_heads", AblateHeads, "HEAD")):
+        value = spec.get(key)  # "LAYER:ID,..." (the flag's text) or {block: [ids]}
+        if isinstance(value, str) and value:
+            out.append(kind(_pairs("--" + key.replace("_", "-"), what, value)))
+        elif value:
+            out.append(kind({int(block): tuple(sorted(set(ids))) for block, ids in value.items()}))
     no_bias = spec.get("no_bias")
     if no_bias is not None:
         out.append(NoGateBias(None if no_bias == "all" else tuple(no_bias)))

@@ -10,6 +10,7 @@ import torch
 
 from model.transformer import Transformer
 
+from .attribution import AttributionRequest
 from .errors import InputError
 from .interventions import Intervention
 from .nonfinite import first_nonfinite
@@ -47,6 +48,7 @@ def trace_tokens(
     prefill: int | None = None,
     generate: int = 0,
     sampling: Sampling | None = None,
+    attribution: AttributionRequest | None = None,
 ) -> Trace:
     """Run ``ids`` through ``model``, recording the chosen sites (default: the default sites, docs/architecture.md).
 
@@ -63,6 +65,9 @@ def trace_tokens(
     show (logit lens, next token), so a trace file reads without the tokenizer. ``context`` is
     entered around the forward after the tracer's hooks (a :class:`model.stream.Streamer`);
     ``plan`` is the tensor-parallel plan when the model is split over ranks.
+
+    ``attribution``: record the direct logit attribution (tracing.attribution) at its position for
+    its target; the resolved position, target and contrast go to ``extra["attribution"]``.
     """
     check_token_ids(ids, model, max_tokens)
     if generate < 0:
@@ -84,7 +89,8 @@ def trace_tokens(
         batch = torch.tensor([ids], dtype=torch.long, device=device)
         ids = list(ids)
         n_prompt, stopped = len(ids), None
-        with Tracer(model, record, patches, on_block, interventions, plan) as tracer, context or nullcontext():
+        tracer = Tracer(model, record, patches, on_block, interventions, plan, attribution)
+        with tracer, context or nullcontext():
             tracer.token_ids = ids  # the tracer reads each position's following token (appended as chosen)
             cache = model.new_cache()
             logits = model(batch[:, :n_prefill], cache=cache)
@@ -121,8 +127,11 @@ def trace_tokens(
         info["interventions"] = [i.describe() for i in interventions]
         for intervention in interventions:
             config = intervention.config(config)
+    if tracer.attribution_info:
+        info["attribution"] = tracer.attribution_info
     if token_strings is not None:
-        shown = _predicted_ids(values)
+        attributed = [tracer.attribution_info.get(key) for key in ("target", "contrast")]
+        shown = sorted({*_predicted_ids(values), *(i for i in attributed if i is not None)})
         info["vocab"] = dict(zip(map(str, shown), token_strings(shown), strict=True))
         tokens = tokens if tokens is not None and len(tokens) == len(ids) else token_strings(ids)
     info.update(extra or {})

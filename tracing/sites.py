@@ -34,6 +34,7 @@ class SiteSpec:
     reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
     rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
     patchable: bool = True  # a hook point whose value a patch or an intervention may replace
+    attribution: bool = False  # computed by tracing.attribution for one position and target: named, never by 'all'
 
     @property
     def suffix(self) -> str:
@@ -131,6 +132,14 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="moe",
         default=True,
     ),
+    SiteSpec(
+        "layers.{i}.ffn.expert_out",
+        "N k D",
+        F32,
+        "each token's k weighted expert outputs (gate weight times output), experts ascending, before they are added",
+        blocks="moe",
+        reads=("ffn.gate.topk_indices",),
+    ),
     SiteSpec("layers.{i}.ffn.routed_out", "N D", F32, "the routed experts' weighted sum (float32)", blocks="moe"),
     SiteSpec("layers.{i}.ffn.shared_out", "N D", F32, "the shared expert's output", blocks="moe"),
     SiteSpec("layers.{i}.ffn_out", "B T D", F32, "the FFN update"),
@@ -144,6 +153,27 @@ REGISTRY: tuple[SiteSpec, ...] = (
         patchable=False,
     ),
     SiteSpec("layers.{i}.logit_lens.topk_probs", "T L", F32, "their probabilities", derived_from="resid_post", patchable=False),
+    SiteSpec(
+        "layers.{i}.attn.attribution",
+        "H",
+        F32,
+        "direct logit attribution (`--attribute`): each head's part of the target logit, through its columns of `wo`",
+        derived_from="attn_out",
+        patchable=False,
+        attribution=True,
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.attribution",
+        "P",
+        F32,
+        (
+            "direct logit attribution (`--attribute`): each routed expert's part (0 where not chosen), then the "
+            "shared expert's; [1] in a dense block (the MLP)"
+        ),
+        derived_from="ffn_out",
+        patchable=False,
+        attribution=True,
+    ),
     SiteSpec("logits.last", "B V", F32, "logits at the last position", blocks="model", default=True),
     SiteSpec("logits.all", "B T V", F32, "every position's logits (large: on request)", blocks="model"),
     SiteSpec(
@@ -186,11 +216,42 @@ REGISTRY: tuple[SiteSpec, ...] = (
         derived_from="logits.last",
         patchable=False,
     ),
+    SiteSpec(
+        "attribution.embed",
+        "1",
+        F32,
+        "direct logit attribution (`--attribute`): the embedding's part of the target logit",
+        blocks="model",
+        derived_from="logits.last",
+        patchable=False,
+        attribution=True,
+    ),
+    SiteSpec(
+        "attribution.rest",
+        "1",
+        F32,
+        "the total less every part: what the bfloat16 carry of the stream and the final rounding leave",
+        blocks="model",
+        derived_from="logits.last",
+        patchable=False,
+        attribution=True,
+    ),
+    SiteSpec(
+        "attribution.total",
+        "1",
+        F32,
+        "the model's target logit at the attributed position (minus the contrast's)",
+        blocks="model",
+        derived_from="logits.last",
+        patchable=False,
+        attribution=True,
+    ),
 )
 # the logit lens costs a head product per block (more than the forward of a small model): on request
 LOGIT_LENS = "layers.*.logit_lens.*"
 LOGIT_LENS_TOPK = 5
 NEXT_TOPK = 10  # alternatives recorded per position (next.topk_*)
+ATTRIBUTION_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.attribution)
 DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.default)
 _BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks != "model"}
 _TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
@@ -301,7 +362,21 @@ def dims(args: ModelArgs, name: str, n_tokens: int) -> dict[str, int]:
         "V": args.vocab_size,
         "L": LOGIT_LENS_TOPK,
         "A": NEXT_TOPK,
+        "P": _ffn_parts(args, name),
+        "1": 1,
     }
+
+
+def _ffn_parts(args: ModelArgs, name: str) -> int:
+    """Parts of a block's FFN update in the attribution: each routed expert and the shared one, or the MLP."""
+    where = layer_site(name)
+    return args.n_routed_experts + 1 if where is not None and where[0] >= args.n_dense_layers else 1
+
+
+def is_attribution(name: str) -> bool:
+    """Whether a site is one of the direct logit attribution's (computed by tracing.attribution)."""
+    row = spec(name)
+    return row is not None and row.attribution
 
 
 def site_shape(args: ModelArgs, name: str, legend: str, n_tokens: int) -> tuple[int, ...]:
@@ -341,8 +416,8 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
     for pattern in patterns:
         if pattern == "default":
             matched = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS)]
-        elif pattern == "all":
-            matched = names
+        elif pattern == "all":  # not the attribution: it needs a position and a target (named, or --attribute)
+            matched = [n for n in names if not is_attribution(n)]
         else:
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):

@@ -15,6 +15,7 @@ import torch
 
 from .grid import index_grid
 from .output import Outputs
+from .sites import site_name
 from .trace import Trace
 
 # OWASP CSV injection: cells starting with these are formulas to a spreadsheet
@@ -258,6 +259,32 @@ def next_token_table(trace: Trace, top: int = 10) -> pd.DataFrame:
     )
 
 
+def attribution_table(trace: Trace) -> pd.DataFrame:
+    """The direct logit attribution, one row per part (tracing.attribution): the embedding, each
+    head, each chosen routed expert and the shared expert (or a dense block's MLP), then the rest;
+    ``share`` is the part's |value| over the sum of every part's |value| (the rest's too, over the same sum)."""
+    if "attribution.total" not in trace:
+        return pd.DataFrame()
+    rows = [("attribution.embed", -1, "embed", -1, float(trace["attribution.embed"][0]))]
+    for i in trace.layers_with("attn.attribution"):
+        for head, value in enumerate(trace.site(i, "attn.attribution").tolist()):
+            rows.append((site_name(i, f"attn.head.{head}"), i, "head", head, value))
+    for i in trace.layers_with("ffn.attribution"):
+        parts = trace.site(i, "ffn.attribution").tolist()
+        if len(parts) == 1:
+            rows.append((site_name(i, "ffn"), i, "mlp", -1, parts[0]))
+            continue
+        chosen = [e for e, value in enumerate(parts[:-1]) if value != 0.0]  # experts not chosen hold 0
+        rows.extend((site_name(i, f"ffn.experts.{e}"), i, "expert", e, parts[e]) for e in chosen)
+        rows.append((site_name(i, "ffn.shared_experts"), i, "shared", -1, parts[-1]))
+    frame = pd.DataFrame(rows, columns=["part", "block", "kind", "index", "value"])
+    magnitude = frame["value"].abs().sum()
+    rest = pd.DataFrame([("attribution.rest", -1, "rest", -1, float(trace["attribution.rest"][0]))], columns=frame.columns)
+    frame = pd.concat([frame, rest], ignore_index=True)
+    frame["share"] = frame["value"].abs() / magnitude if magnitude > 0 else np.nan
+    return frame
+
+
 BUILDERS = {
     "tokens": tokens_table,
     "residual": residual_table,
@@ -269,6 +296,7 @@ BUILDERS = {
     "logit_lens": logit_lens_table,
     "next_token": next_token_table,
     "steps": steps_table,
+    "attribution": attribution_table,
 }
 
 

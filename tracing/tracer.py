@@ -18,9 +18,21 @@ import torch
 
 from model.config import ModelArgs
 
+from .attribution import AttributionRequest, Attributor
 from .errors import InputError
 from .interventions import Intervention, Replace
-from .sites import LOGIT_LENS_TOPK, hook_points, layer_site, next_topk, select, site_name, site_shapes, spec
+from .sites import (
+    ATTRIBUTION_PATTERNS,
+    LOGIT_LENS_TOPK,
+    hook_points,
+    is_attribution,
+    layer_site,
+    next_topk,
+    select,
+    site_name,
+    site_shapes,
+    spec,
+)
 
 
 class Tracer:
@@ -32,6 +44,8 @@ class Tracer:
     ``on_block``: called with the block index before each block runs (progress).
     ``plan``: a :class:`model.parallel.ParallelPlan` under tensor parallelism; values that a rank
     holds only its heads of are gathered (every rank must trace with the same sites).
+    ``attribution``: the direct logit attribution's position and target (tracing.attribution); its
+    sites are recorded with it, and with their defaults when named in ``record`` without it.
 
     The logit lens (final norm and head applied to each block's output) is computed by hooks on
     the model's own ``norm`` and ``head`` while they run, so it works where weights are present
@@ -46,11 +60,19 @@ class Tracer:
         on_block: Callable[[int], None] | None = None,
         interventions: Sequence[Intervention] = (),
         plan=None,
+        attribution: AttributionRequest | None = None,
     ):
         self.model = model
         self.plan = plan
         self.args: ModelArgs = model.args
         self.sites = select(self.args, record)
+        if attribution is not None:
+            self.sites = select(self.args, [*self.sites, *ATTRIBUTION_PATTERNS])
+        attributed = any(is_attribution(name) for name in self.sites)
+        if attributed and plan is not None and plan.world > 1:
+            raise InputError("the attribution runs in one process: it cannot be combined with tensor or expert parallelism")
+        self._attribution = (attribution or AttributionRequest()) if attributed else None
+        self.attribution_info: dict = {}  # the attributed position, target and contrast, once the pass ran
         self.patches = dict(patches or {})
         self.interventions = list(interventions)
         self.on_block = on_block
@@ -84,6 +106,8 @@ class Tracer:
     # several passes: a prefill, then decode steps ----------------------------------------------
     def next_pass(self, start_pos: int) -> None:
         """Keep the values recorded so far as one pass; the next pass starts at ``start_pos``."""
+        if self._attribution is not None:
+            raise InputError("the attribution applies to one prefill of every position: not with --prefill or --generate")
         self._steps.append(self.values)
         self.values = {}
         self._start_pos = start_pos
@@ -146,7 +170,7 @@ class Tracer:
                 continue
             layer = where[0]
             keep.update(site_name(layer, read) for read in row.reads)  # read later in this pass
-            if name in replacers or row.derived_from is None:
+            if name in replacers or row.derived_from is None or row.attribution:
                 continue
             if row.suffix.startswith("logit_lens."):
                 lens.add(layer)
@@ -176,6 +200,14 @@ class Tracer:
         if self._lens or self._next:
             self._handles.append(self.model.norm.register_forward_hook(self._lens_norm))
             self._handles.append(self.model.head.register_forward_hook(self._lens_head))
+        if self._attribution is not None:  # after the interventions' hooks: it reads the values the model uses
+            attributor = Attributor(self.model, self._attribution, self._mine, self._record_attribution)
+            self._handles.extend(attributor.register())
+            self._attributor = attributor
+
+    def _record_attribution(self, values: dict[str, torch.Tensor]) -> None:
+        self.values.update((name, value) for name, value in values.items() if name in self.sites)
+        self.attribution_info = self._attributor.info
 
     def _lens_norm(self, module, inputs, output):
         if self._mine():  # the module's forward, not its __call__: no hooks run again

@@ -1,0 +1,271 @@
+"""Direct logit attribution: the parts add up to the model's own logit, per block the heads to the
+attention update and the experts to the FFN update, and the command line takes and refuses targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import fp8
+from model.checkpoint import load_model
+from model.moe import MoE
+from tracing.attribution import AttributionRequest
+from tracing.cli import main
+from tracing.errors import InputError
+from tracing.interventions import AblateHeads, ZeroExperts, from_spec
+from tracing.runner import trace_tokens
+from tracing.sites import select
+from tracing.tables import attribution_table, tables
+from tracing.tokenizer import Tokenizer
+from tracing.trace import Trace
+
+DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
+needs_demo = pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="assets/demo is not there")
+IDS = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3]
+UPDATES = "layers.*.attn_out,layers.*.ffn_out,layers.*.ffn.routed_out,layers.*.ffn.shared_out"
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    return load_model(DEMO)
+
+
+def _attributed(model, ids, request):
+    """A trace with the attribution and the updates it splits, and, seen by hooks of the test's own,
+    the final stream and each block's ``wo`` input at the attributed position."""
+    seen: dict[str, torch.Tensor] = {}
+    t = len(ids) - 1 if request.position is None else request.position
+    handles = [model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("stream", i[0][0, t].float()))]
+    for n, block in enumerate(model.layers):
+        handles.append(block.attn.wo.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, i[0][0, t])))
+    try:
+        trace = trace_tokens(model, ids, record=f"default,{UPDATES}", attribution=request)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return trace, seen, t
+
+
+def _direction(model, trace, stream):
+    """d logit / d stream with the final norm's scale frozen: W_head[target] (- W_head[contrast]) * gamma / rms."""
+    info = trace.extra["attribution"]
+    weight = model.head.weight.float()
+    direction = weight[info["target"]] - (0 if info["contrast"] is None else weight[info["contrast"]])
+    return direction * model.norm.weight.float() * torch.rsqrt(stream.pow(2).mean() + model.norm.eps)
+
+
+def _wo_product(wo, x):
+    """wo's product in float32 from its FP8-rounded input and dequantised weight, before the bfloat16 rounding."""
+    if wo.scale is None:
+        return wo.weight.float() @ x.float()
+    return fp8.weight_dequant(wo.weight, wo.scale) @ fp8.act_dequant(*fp8.act_quant(x[None], wo.scale_fmt))[0]
+
+
+def _parts(trace):
+    names = ["attribution.embed", *(n for n in trace.tensors if n.endswith(".attribution"))]
+    return torch.cat([trace[n].double() for n in names])
+
+
+def _check(model, ids, request):
+    """Every sum the attribution promises; returns (|rest| share, worst relative sum error)."""
+    trace, seen, t = _attributed(model, ids, request)
+    parts = _parts(trace)
+    total, rest = float(trace["attribution.total"][0]), float(trace["attribution.rest"][0])
+    magnitude = float(parts.abs().sum())
+    assert abs(total - float(parts.sum()) - rest) <= 1e-5 * magnitude
+    assert abs(rest) <= 0.01 * magnitude
+    u = _direction(model, trace, seen["stream"]).double()
+    worst = 0.0
+    for i, block in enumerate(model.layers):
+        heads = trace.site(i, "attn.attribution").double()
+        assert heads.shape == (model.args.n_heads,)
+        attn = float(_wo_product(block.attn.wo, seen[i]).double() @ u)  # the attention update's float32 part
+        error = abs(float(heads.sum()) - attn) / max(abs(attn), 1e-12)
+        assert error <= 1e-4, (i, float(heads.sum()), attn)
+        worst = max(worst, error)
+        recorded = trace.site(i, "attn_out")[t].double()  # the same update, rounded to bfloat16
+        assert abs(float(recorded @ u) - attn) <= 2**-8 * float((recorded * u).abs().sum())
+        ffn = trace.site(i, "ffn.attribution").double()
+        if isinstance(block.ffn, MoE):
+            chosen = trace.site(i, "ffn.gate.topk_indices")[t]
+            assert ffn.shape == (model.args.n_routed_experts + 1,)
+            assert set(torch.nonzero(ffn[:-1]).flatten().tolist()) <= set(chosen.tolist())
+            update = trace.site(i, "ffn.routed_out")[t].double() + trace.site(i, "ffn.shared_out")[t].double()
+            part = float(update @ u)  # the FFN update's float32 part, before its bfloat16 rounding
+            error = abs(float(ffn.sum()) - part) / max(abs(part), 1e-12)
+            assert error <= 1e-4, (i, float(ffn.sum()), part)
+            worst = max(worst, error)
+        else:
+            assert ffn.shape == (1,)
+            part = float(trace.site(i, "ffn_out")[t].double() @ u)
+            assert abs(float(ffn[0]) - part) <= 1e-5 * abs(part) + 1e-7
+        recorded = trace.site(i, "ffn_out")[t].double()
+        assert abs(float(recorded @ u) - part) <= 2**-8 * float((recorded * u).abs().sum())
+    return trace, abs(rest) / magnitude, worst
+
+
+def test_the_parts_add_up_on_the_tiny_model(tiny_model):
+    trace, share, worst = _check(tiny_model, IDS, AttributionRequest())
+    info = trace.extra["attribution"]
+    assert info == {"position": len(IDS) - 1, "target": int(trace["next.topk_indices"][-1, 0]), "contrast": None}
+    assert float(trace["attribution.total"][0]) == float(trace["logits.last"][info["target"]])  # the model's own logit
+    _, share, worst = _check(tiny_model, IDS, AttributionRequest(target=7, contrast=9))
+    logits = trace["logits.last"]
+    again = trace_tokens(tiny_model, IDS, attribution=AttributionRequest(target=7, contrast=9))
+    assert float(again["attribution.total"][0]) == pytest.approx(float(logits[7] - logits[9]), abs=1e-6)
+    earlier, _, _ = _check(tiny_model, IDS, AttributionRequest(position=4))
+    assert earlier.extra["attribution"]["target"] == int(earlier["next.topk_indices"][4, 0])
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="assets/demo is not there")
+def test_the_parts_add_up_on_the_demo(demo_model):
+    tok = Tokenizer(DEMO)
+    for prompt in ("The capital of France is", "Sparse attention lets each query read a few keys, so that"):
+        ids = tok.encode(prompt)
+        trace, share, worst = _check(demo_model, ids, AttributionRequest())
+        target = trace.extra["attribution"]["target"]
+        assert float(trace["attribution.total"][0]) == float(trace["logits.last"][target])
+        contrast = int(trace["next.topk_indices"][-1, 1])
+        _check(demo_model, ids, AttributionRequest(position=2, target=target, contrast=contrast))
+
+
+def test_the_table_has_a_row_per_part_and_is_exported(tiny_model):
+    trace = trace_tokens(tiny_model, IDS, attribution=AttributionRequest())
+    table = attribution_table(trace)
+    assert "attribution" in tables(trace)
+    args = tiny_model.args
+    kinds = table["kind"].value_counts().to_dict()
+    n_moe = args.n_layers - args.n_dense_layers
+    assert kinds == {
+        "embed": 1,
+        "head": args.n_layers * args.n_heads,
+        "expert": n_moe * args.n_activated_experts,
+        "shared": n_moe,
+        "mlp": args.n_dense_layers,
+        "rest": 1,
+    }
+    parts = table[table["kind"] != "rest"]
+    assert parts["share"].sum() == pytest.approx(1.0)
+    assert parts["value"].sum() + table["value"].iloc[-1] == pytest.approx(float(trace["attribution.total"][0]), abs=1e-5)
+
+
+def test_all_leaves_the_attribution_out_and_naming_it_uses_the_defaults(tiny_model):
+    assert not [n for n in select(tiny_model.args, "all") if "attribution" in n]
+    trace = trace_tokens(tiny_model, IDS, record="attribution.*")
+    assert sorted(trace.tensors) == ["attribution.embed", "attribution.rest", "attribution.total", "tokens"]
+    assert trace.extra["attribution"]["position"] == len(IDS) - 1
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_the_command_line_attributes(tmp_path, capsys, tiny_checkpoint):
+    out = tmp_path / "t.safetensors"
+    base = ("run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ",".join(map(str, IDS)), "--out", str(out))
+    code, err = _run(capsys, *base, "--attribute", "--position", "3", "--target", "7", "--contrast", "9", "--csv", str(tmp_path))
+    assert code == 0, err
+    trace = Trace.load(out)
+    assert trace.extra["attribution"] == {"position": 3, "target": 7, "contrast": 9}
+    assert trace["attribution.total"].shape == (1,) and trace.site(2, "ffn.attribution").shape == (17,)
+    assert (tmp_path / "attribution.csv").is_file()
+    code, err = _run(capsys, *base, "--attribute", "--ablate-heads", "0:1,2:3", "--zero-experts", "2:5")
+    assert code == 0, err
+    changed = Trace.load(out)
+    assert changed.extra["interventions"] == ["zero 2:5", "ablate heads 0:1, 2:3"]
+    assert float(changed.site(0, "attn.attribution")[1]) == 0.0 == float(changed.site(2, "attn.attribution")[3])
+    bad = [
+        (("--attribute", "--target", "100000"), "outside the vocabulary"),
+        (("--attribute", "--contrast", "-1"), "outside the vocabulary"),
+        (("--attribute", "--position", "12"), "--position 12"),
+        (("--attribute", "--target", "fox"), "no tokenizer"),
+        (("--attribute", "--generate", "2"), "one prefill"),
+        (("--target", "7"), "--target applies to --attribute"),
+        (("--ablate-heads", "0:9"), "heads are numbered"),
+        (("--zero-experts", "2:x"), "expected LAYER:EXPERT"),
+    ]
+    for flags, message in bad:
+        out.unlink(missing_ok=True)
+        code, err = _run(capsys, *base, *flags)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (flags, err)
+        assert not out.exists()
+
+
+@needs_demo
+def test_the_command_line_encodes_a_text_target(tmp_path, capsys):
+    out = tmp_path / "t.safetensors"
+    base = ("run", "--checkpoint", str(DEMO), "--prompt", "The capital of France is", "--out", str(out), "--attribute")
+    tok = Tokenizer(DEMO)
+    (the,) = tok.encode(" the", add_bos=False)
+    code, err = _run(capsys, *base, "--target", " the", "--contrast", str(the + 1))
+    assert code == 0, err
+    assert Trace.load(out).extra["attribution"] == {"position": 8, "target": the, "contrast": the + 1}
+    for flags, message in ((("--target", " Paris"), "3 tokens"), (("--target", ""), "not a token")):
+        out.unlink(missing_ok=True)
+        code, err = _run(capsys, *base, *flags)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (flags, err)
+        assert not out.exists()
+
+
+def test_an_ablated_head_and_a_zeroed_expert_attribute_nothing(tiny_model):
+    base = trace_tokens(tiny_model, IDS, attribution=AttributionRequest())
+    chosen = base.site(2, "ffn.gate.topk_indices")[-1]
+    expert = int(chosen[0])
+    changes = from_spec({"ablate_heads": "1:2,0:0", "zero_experts": {2: [expert]}})
+    assert changes == [ZeroExperts({2: (expert,)}), AblateHeads({0: (0,), 1: (2,)})]
+    target = AttributionRequest(target=base.extra["attribution"]["target"])
+    run = trace_tokens(tiny_model, IDS, interventions=changes, attribution=target)
+    assert run.extra["interventions"] == [f"zero 2:{expert}", "ablate heads 0:0, 1:2"]
+    assert float(run.site(1, "attn.attribution")[2]) == 0.0 and float(run.site(0, "attn.attribution")[0]) == 0.0
+    zeroed = trace_tokens(tiny_model, IDS, interventions=changes[:1], attribution=target)
+    assert torch.equal(zeroed.site(2, "ffn.gate.topk_indices"), base.site(2, "ffn.gate.topk_indices"))  # still chosen
+    assert float(zeroed.site(2, "ffn.attribution")[expert]) == 0.0 != float(base.site(2, "ffn.attribution")[expert])
+    assert float(run.site(1, "attn.attribution")[1]) != 0.0
+    for bad, message in (("9:0", "blocks are numbered"), ("0:4", "heads are numbered"), ("0-1", "expected LAYER:HEAD")):
+        with pytest.raises(InputError, match=message):
+            trace_tokens(tiny_model, IDS, interventions=from_spec({"ablate_heads": bad}))
+    with pytest.raises(InputError, match="experts are numbered"):
+        trace_tokens(tiny_model, IDS, interventions=from_spec({"zero_experts": "1:99"}))
+
+
+@needs_demo
+def test_removing_the_largest_part_moves_the_logit_its_way(demo_model):
+    """Zeroing the head or routed expert with the largest |part| lowers the target logit when the part
+    is positive and raises it when negative, on at least 8 of 10 prompts."""
+    tok = Tokenizer(DEMO)
+    prompts = [
+        "The capital of France is",
+        "Once upon a time there was a",
+        "The quick brown fox jumps over the",
+        "In the morning I drink a cup of",
+        "Water boils at one hundred degrees",
+        "She opened the door and saw",
+        "The model reads the prompt and",
+        "Two plus two equals",
+        "The sun rises in the",
+        "A mixture of experts routes each token to",
+    ]
+    agree = []
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        base = trace_tokens(demo_model, ids, attribution=AttributionRequest())
+        target = base.extra["attribution"]["target"]
+        candidates = [
+            (float(v), "ablate_heads", i, h)
+            for i in base.layers_with("attn.attribution")
+            for h, v in enumerate(base.site(i, "attn.attribution").tolist())
+        ]
+        candidates += [
+            (float(v), "zero_experts", i, e)
+            for i in base.layers_with("ffn.attribution")
+            for e, v in enumerate(base.site(i, "ffn.attribution").tolist()[:-1])
+            if v != 0.0 and base.site(i, "ffn.attribution").numel() > 1
+        ]
+        part, key, block, index = max(candidates, key=lambda c: abs(c[0]))
+        run = trace_tokens(demo_model, ids, interventions=from_spec({key: {block: [index]}}))
+        moved = float(run["logits.last"][target] - base["logits.last"][target])
+        agree.append(moved * part < 0)
+    assert sum(agree) >= 8, agree
