@@ -194,7 +194,13 @@ class MoE(nn.Module):
                 out[a:b] = expert(rows[a:b]) * scale[a:b]
         # regroup by token, each token's experts in ascending order, and add in that order
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
-        return self.add_slots(self.expert_out(out[by_token].view(n, k, self.dim)))  # (N, k, D) -> (N, D)
+        slots = self.gather_slots(out[by_token].view(n, k, self.dim))  # (N, k, D)
+        return self.add_slots(self.expert_out(slots))  # (N, D)
+
+    def gather_slots(self, contrib: torch.Tensor) -> torch.Tensor:
+        """Every token's k expert outputs where experts are split over ranks (see model.parallel);
+        one process holds them all already."""
+        return contrib
 
     def add_slots(self, contrib: torch.Tensor) -> torch.Tensor:
         """Each token's k weighted expert outputs (N, k, D), best-numbered expert first, added in

@@ -143,9 +143,9 @@ class ExpertParallelMoE(MoE):
 
     group: Any = None
 
-    def add_slots(self, contrib: torch.Tensor) -> torch.Tensor:
+    def gather_slots(self, contrib: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(contrib, group=self.group)
-        return super().add_slots(contrib)
+        return contrib
 
 
 def _swap(module: nn.Module, cls: type, **attrs: Any) -> None:
