@@ -8,6 +8,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from model.ops import describe_cpu_route
 from tracing.errors import InputError
 from tracing.nonfinite import first_nonfinite
 from tracing.sampling import Sampling
@@ -99,6 +100,8 @@ def _model_source(source: str, notices):
         f"{om.label}: {om.args.n_layers} blocks, d = {om.args.dim}, {om.args.n_routed_experts} experts, "
         f"vocabulary {om.args.vocab_size:,}"
     )
+    if om.loaded.device.type == "cpu":  # the route decides how fast (and how rounded) every bf16 product is here
+        st.caption(f":material/memory: CPU bfloat16 products: {escape_md(describe_cpu_route())}")
     for note in om.notes:
         st.caption(f":material/info: {note}")
     return om

@@ -216,7 +216,9 @@ def browser(checkpoint: str, env: dict, repeat: int) -> dict:
                     out["switch_page"].append(time.perf_counter() - t)
                 for block in (1, 0):
                     t = time.perf_counter()
-                    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').last.click()
+                    # the selectbox is a combobox: a click only focuses its input, the arrow key opens the list
+                    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').last.get_by_role("combobox").click()
+                    page.keyboard.press("ArrowDown")
                     page.get_by_role("option").filter(has_text=f"{block} · ").first.click()
                     main.get_by_text(f"block {block} · ").first.wait_for()
                     out["switch_block"].append(time.perf_counter() - t)

@@ -19,6 +19,7 @@ from app.core.traces import Entry, store
 from app.topics import cards, model_map
 from app.topics.router import bias_effect, moe_blocks
 from model.config import ModelArgs
+from model.ops import describe_cpu_route
 from tracing.tables import to_csv_bytes
 
 APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
@@ -57,6 +58,10 @@ def test_first_load_traces_the_default_prompt(app):
     assert entry.trace.prompt == settings.DEFAULT_PROMPT and entry.trace.n_tokens > 10
     assert app.latex and plotly_charts(app)
     assert any("Showing" in c.value and "tokens" in c.value for c in app.caption)
+
+
+def test_sidebar_names_the_cpu_bfloat16_route(app):
+    assert describe_cpu_route() in messages(app.sidebar.caption)
 
 
 @pytest.mark.parametrize("page", PAGES)
