@@ -233,15 +233,16 @@ class MoE(nn.Module):
         if _grouped_mm is None or any(e is None for e in self.experts):
             return None
         linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # expert by expert
-        # the stacks stay valid while every expert holds the same weight tensors (a decode step would
-        # otherwise check hundreds of copies per block); anything else is worked out afresh
-        held = (ops.product_dtype(dtype), linears[0].cache_dequantized, *(lin.weight for lin in linears))
-        known = self.__dict__.get("_stacks_for")
-        if known is not None and len(known[0]) == len(held) and all(a is b for a, b in zip(known[0], held, strict=True)):
+        # one stack per product dtype, valid while every expert holds the same weight and scale tensors
+        # (a decode step would otherwise check hundreds of copies per block)
+        held = (linears[0].cache_dequantized, *(t for lin in linears for t in (lin.weight, lin.scale)))
+        stacks, compute = self.__dict__.setdefault("_stacks", {}), ops.product_dtype(dtype)
+        known = stacks.get(compute)
+        if known is not None and all(a is b for a, b in zip(known[0], held, strict=True)):
             return known[1]
         stacked = self._stack(linears, dtype)
         if stacked is not None:  # held like Linear's own copies; a streamed block's weights are never held
-            self.__dict__["_stacks_for"] = (held, stacked)
+            stacks[compute] = (held, stacked)
         return stacked
 
     def _stack(self, linears: list[Linear], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -250,12 +251,6 @@ class MoE(nn.Module):
             return None
         if linears[0].weight.dtype == torch.float32:  # the copies are the weights: a stack would be a second
             return None
-        stacks = self.__dict__.setdefault("_stacks", {})
-        cached = stacks.get(plans[0][1].dtype)
-        if cached is not None and all(
-            copy.data_ptr() == view.data_ptr() for (_, copy), view in zip(plans, cached[1], strict=True)
-        ):
-            return cached[0]
         copies = [copy for _, copy in plans]
         w13 = torch.stack([torch.cat(copies[i : i + 2]) for i in range(0, len(copies), 3)])  # (E, 2 inter, D)
         w2 = torch.stack(copies[2::3])  # (E, D, inter)
@@ -263,5 +258,4 @@ class MoE(nn.Module):
         views = [v for e in range(len(self.experts)) for v in (w13[e, :inter], w13[e, inter:], w2[e])]
         for lin, view in zip(linears, views, strict=True):
             lin.share_copy(view)
-        stacks[w13.dtype] = ((w13, w2), views)
         return w13, w2
