@@ -19,12 +19,17 @@ from .trace import Trace
 from .tracer import Tracer
 
 
-def check_token_ids(ids: list[int], model: Transformer, max_tokens: int | None = None) -> None:
+def check_token_ids(ids: list[int], model: Transformer, max_tokens: int | None = None, generate: int = 0) -> None:
+    """The prompt's ids, and the positions a generation of ``generate`` tokens adds, fit the model."""
     limit = max_tokens or model.args.max_seq_len
     if not ids:
         raise InputError("the prompt is empty: nothing to trace")
     if len(ids) > limit:
         raise InputError(f"the prompt has {len(ids)} tokens; this model takes at most {limit}")
+    if generate < 0:
+        raise InputError(f"--generate must be 0 or more, not {generate}")
+    if len(ids) + generate > limit:
+        raise InputError(f"{len(ids)} prompt tokens + {generate} generated exceed the {limit} this model takes")
     bad = [i for i in ids if not 0 <= i < model.args.vocab_size]
     if bad:
         raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
@@ -69,12 +74,7 @@ def trace_tokens(
     ``attribution``: record the direct logit attribution (tracing.attribution) at its position for
     its target; the resolved position, target and contrast go to ``extra["attribution"]``.
     """
-    check_token_ids(ids, model, max_tokens)
-    if generate < 0:
-        raise InputError(f"--generate must be 0 or more, not {generate}")
-    limit = max_tokens or model.args.max_seq_len
-    if len(ids) + generate > limit:
-        raise InputError(f"{len(ids)} prompt tokens + {generate} generated exceed the {limit} this model takes")
+    check_token_ids(ids, model, max_tokens, generate)
     sampling = (sampling or Sampling()).seeded()
     n_prefill = len(ids) if prefill is None else prefill
     if not 1 <= n_prefill <= len(ids):

@@ -45,7 +45,7 @@ class Sampling:
         if self.greedy:
             return None
         gen = torch.Generator()
-        gen.manual_seed(self.seed if self.seed is not None else secrets.randbelow(2**31))
+        gen.manual_seed(self.seeded().seed)
         return gen
 
 

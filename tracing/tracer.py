@@ -117,7 +117,7 @@ class Tracer:
         """Every pass's values as one prefill of all ``n_positions`` would record them: rows
         concatenated; key columns (S) padded to all positions with -inf (scores) or 0
         (probabilities), selection columns (K) with -1; a last-position value from the last pass."""
-        self._settle(last=True)
+        self._pending = None  # after the run's last position: the greedy token's probability stays
         steps = [*self._steps, self.values]
         if len(steps) == 1:
             return self.values
@@ -251,14 +251,14 @@ class Tracer:
         if len(following) < len(logits) and "next.token_prob" in self.values:  # settled when the token comes
             self._pending = (self.values["next.token_prob"], len(logits) - 1, logprobs[-1].cpu())
 
-    def _settle(self, last: bool = False) -> None:
+    def _settle(self) -> None:
         """The probability the last position of the pass before gave the token that came next (a
-        generation appends it before the next pass); after the run's last position, the greedy one's."""
+        generation appends it before the next pass)."""
         if self._pending is None:
             return
         value, row, logprobs = self._pending
         self._pending = None
-        if not last and self._start_pos < len(self.token_ids):
+        if self._start_pos < len(self.token_ids):
             value[row] = logprobs[self.token_ids[self._start_pos]].exp()
 
     def _hook(self, name: str, record: bool, patch, replacers: list[Replace], derived: list[str], keep: bool):
