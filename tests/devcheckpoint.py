@@ -25,11 +25,28 @@ def demo_available() -> bool:
     return (DEMO / "config.json").is_file()
 
 
+def train_tokenizer(directory: str | os.PathLike, texts: list[str], vocab_size: int, special_tokens: list[str]) -> Path:
+    """A byte-level BPE ``tokenizer.json`` trained on ``texts``, written into ``directory``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    path = Path(directory) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 def make_dev_checkpoint(directory: str | os.PathLike, seed: int = 1) -> Path:
     """Write the tiny checkpoint into ``directory`` (created; must not exist or be empty)."""
     import tempfile
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from model import TINY
     from model.checkpoint import hf_state_dict, load_model, save_checkpoint
@@ -39,17 +56,7 @@ def make_dev_checkpoint(directory: str | os.PathLike, seed: int = 1) -> Path:
     args = TINY.replace(bos_token_id=0, eos_token_id=1)
     model = load_model(SyntheticSource(args, seed=seed))
     with tempfile.TemporaryDirectory() as tmp:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=args.vocab_size,
-            special_tokens=["<bos>", "<eos>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator([s * 8 for s in SENTENCES], trainer)
-        tok.save(str(Path(tmp) / "tokenizer.json"))
+        train_tokenizer(tmp, [s * 8 for s in SENTENCES], args.vocab_size, ["<bos>", "<eos>"])
         config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}
         (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(config))
         files = {name: Path(tmp) / name for name in ("tokenizer.json", "tokenizer_config.json")}

@@ -4,6 +4,7 @@ a card (KaTeX equation, code) rendered, downloads a CSV, and saves a screenshot 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -86,8 +87,9 @@ def server(tmp_path_factory):
             proc.kill()
 
 
-@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_trace_a_prompt_in_the_browser(server):
+@contextlib.contextmanager
+def open_page(server: str):
+    """A page of the app in a fresh headless chromium (downloads accepted), closed afterwards."""
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -95,70 +97,68 @@ def test_trace_a_prompt_in_the_browser(server):
             page = browser.new_page(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
             page.set_default_timeout(120_000)
             page.goto(server)
-            page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on first load
-
-            prompt = page.locator('[data-testid="stSidebar"] [data-testid="stTextArea"] textarea')
-            prompt.fill(PROMPT)
-            page.get_by_role("button", name="Trace", exact=True).click()
-            page.get_by_text(f"“{PROMPT}”").wait_for()  # the page header names the traced prompt
-            page.locator(".js-plotly-plot").first.wait_for()
-
-            page.get_by_role("link", name="Block anatomy").click()
-            page.locator('[data-testid="stMain"] .katex-display').first.wait_for()  # the card's equations
-            page.locator('[data-testid="stMain"] .js-plotly-plot').first.wait_for()  # its live plot
-            # waits rather than counts: Streamlit may redraw the page once more after a page switch
-            page.locator('[data-testid="stMain"] .katex-display').nth(1).wait_for()  # at least two equations
-            page.locator('[data-testid="stCode"]', has_text="def forward").first.wait_for()
-            page.set_viewport_size({"width": 1440, "height": 2400})  # the app scrolls inside: show more of it
-            page.wait_for_timeout(1500)  # let plotly redraw at the new size before the picture
-            page.screenshot(path=str(ARTIFACTS / "app.png"))
-            page.set_viewport_size({"width": 1440, "height": 1000})
-
-            page.get_by_role("link", name="Export").click()
-            row = page.locator('[data-testid="stHorizontalBlock"]', has=page.get_by_text("router ·")).first
-            row.wait_for()
-            with page.expect_download() as download:
-                row.get_by_role("button", name="CSV").click()
-            path = download.value.path()
-            text = Path(path).read_bytes().decode("utf-8")
-            header = text.split("\r\n", 1)[0]
-            assert header == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
-            assert download.value.suggested_filename.endswith("-router.csv")
+            yield page
         finally:
             browser.close()
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_trace_a_prompt_in_the_browser(server):
+    with open_page(server) as page:
+        page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on first load
+
+        prompt = page.locator('[data-testid="stSidebar"] [data-testid="stTextArea"] textarea')
+        prompt.fill(PROMPT)
+        page.get_by_role("button", name="Trace", exact=True).click()
+        page.get_by_text(f"“{PROMPT}”").wait_for()  # the page header names the traced prompt
+        page.locator(".js-plotly-plot").first.wait_for()
+
+        page.get_by_role("link", name="Block anatomy").click()
+        page.locator('[data-testid="stMain"] .katex-display').first.wait_for()  # the card's equations
+        page.locator('[data-testid="stMain"] .js-plotly-plot').first.wait_for()  # its live plot
+        # waits rather than counts: Streamlit may redraw the page once more after a page switch
+        page.locator('[data-testid="stMain"] .katex-display').nth(1).wait_for()  # at least two equations
+        page.locator('[data-testid="stCode"]', has_text="def forward").first.wait_for()
+        page.set_viewport_size({"width": 1440, "height": 2400})  # the app scrolls inside: show more of it
+        page.wait_for_timeout(1500)  # let plotly redraw at the new size before the picture
+        page.screenshot(path=str(ARTIFACTS / "app.png"))
+        page.set_viewport_size({"width": 1440, "height": 1000})
+
+        page.get_by_role("link", name="Export").click()
+        row = page.locator('[data-testid="stHorizontalBlock"]', has=page.get_by_text("router ·")).first
+        row.wait_for()
+        with page.expect_download() as download:
+            row.get_by_role("button", name="CSV").click()
+        path = download.value.path()
+        text = Path(path).read_bytes().decode("utf-8")
+        header = text.split("\r\n", 1)[0]
+        assert header == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
+        assert download.value.suggested_filename.endswith("-router.csv")
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
 def test_generate_in_the_browser(server):
     """The sidebar's Generate control writes tokens; the Generation page draws the coloured text and its plots."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.set_default_timeout(120_000)
-            page.goto(server)
-            page.locator(".js-plotly-plot").first.wait_for()
-            page.get_by_role("link", name="Generation").click()
-            page.get_by_text("This trace only reads its prompt").wait_for()
+    with open_page(server) as page:
+        page.locator(".js-plotly-plot").first.wait_for()
+        page.get_by_role("link", name="Generation").click()
+        page.get_by_text("This trace only reads its prompt").wait_for()
 
-            sidebar = page.locator('[data-testid="stSidebar"]')
-            sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
-            tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
-            tokens.fill("5")
-            tokens.press("Enter")
-            page.get_by_role("button", name="Trace", exact=True).click()
-            page.locator(".generated-token").first.wait_for()
-            page.wait_for_function("() => document.querySelectorAll('.generated-token').length >= 1")
-            assert page.locator(".generated-token").count() <= 5
-            main = page.locator('[data-testid="stMain"]')
-            main.get_by_text("The ten most likely tokens", exact=False).first.wait_for()
-            page.wait_for_function(
-                "() => document.querySelectorAll('[data-testid=\"stMain\"] .js-plotly-plot .main-svg').length >= 7"
-            )
-            main.get_by_text("how far back the indexer", exact=False).first.wait_for()
-            page.set_viewport_size({"width": 1440, "height": 2400})
-            page.wait_for_timeout(1500)
-            page.screenshot(path=str(ARTIFACTS / "generation.png"))
-        finally:
-            browser.close()
+        sidebar = page.locator('[data-testid="stSidebar"]')
+        sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
+        tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
+        tokens.fill("5")
+        tokens.press("Enter")
+        page.get_by_role("button", name="Trace", exact=True).click()
+        page.locator(".generated-token").first.wait_for()
+        page.wait_for_function("() => document.querySelectorAll('.generated-token').length >= 1")
+        assert page.locator(".generated-token").count() <= 5
+        main = page.locator('[data-testid="stMain"]')
+        main.get_by_text("The ten most likely tokens", exact=False).first.wait_for()
+        page.wait_for_function(
+            "() => document.querySelectorAll('[data-testid=\"stMain\"] .js-plotly-plot .main-svg').length >= 7"
+        )
+        main.get_by_text("how far back the indexer", exact=False).first.wait_for()
+        page.set_viewport_size({"width": 1440, "height": 2400})
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(ARTIFACTS / "generation.png"))

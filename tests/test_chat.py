@@ -3,9 +3,8 @@
 import shutil
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.devcheckpoint import train_tokenizer
 from tracing.chat import ASSISTANT, BOS, END_THINK, THINK, USER, encode_chat
 from tracing.cli import main
 from tracing.tokenizer import Tokenizer, TokenizerError
@@ -19,14 +18,7 @@ def chat_checkpoint(tiny_checkpoint, tmp_path_factory):
     """The tiny checkpoint with a byte-level BPE tokenizer that has the chat markers."""
     directory = tmp_path_factory.mktemp("chat") / "ckpt"
     shutil.copytree(tiny_checkpoint, directory)
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=MARKERS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(["What is sparse attention? It keeps the keys that matter. " * 20], trainer)
-    tok.save(str(directory / "tokenizer.json"))
+    train_tokenizer(directory, ["What is sparse attention? It keeps the keys that matter. " * 20], 512, MARKERS)
     return directory
 
 

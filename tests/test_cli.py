@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tests.devcheckpoint import train_tokenizer
 from tracing.cli import main
 from tracing.trace import Trace
 
@@ -21,14 +21,8 @@ REAL_HF = "assets/configs/config_671B_hf.json"
 def checkpoint_with_tokenizer(tiny_checkpoint, tmp_path_factory):
     directory = tmp_path_factory.mktemp("tok") / "tiny"
     shutil.copytree(tiny_checkpoint, directory)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20, "sparse attention picks keys"], trainer)
-    tok.save(str(directory / "tokenizer.json"))
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "sparse attention picks keys"]
+    train_tokenizer(directory, texts, 400, ["<bos>", "<eos>"])
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True})
     )
