@@ -193,10 +193,10 @@ def test_streaming_gives_the_same_trace_file(capsys, tiny_checkpoint, tmp_path):
     assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(streamed), "--stream"]) == 0
     assert whole.read_bytes() == streamed.read_bytes()
     decoded, streamed = tmp_path / "decoded.safetensors", tmp_path / "decoded-streamed.safetensors"
-    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--prefill", "5"]
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--prefill", "5", "--generate", "2"]
     assert main([*argv, "--out", str(decoded)]) == 0 and main([*argv, "--out", str(streamed), "--stream"]) == 0
     assert decoded.read_bytes() == streamed.read_bytes()  # each decode step streams every block again
-    assert Trace.load(decoded).extra["prefill"] == 5
+    assert Trace.load(decoded).extra["prefill"] == 5 and Trace.load(decoded).extra["generation"]["generated"] == 2
 
 
 @pytest.mark.parametrize("more", [[], ["--prefill", "6", "--generate", "3"]], ids=["prefill", "decode and generate"])
