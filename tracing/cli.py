@@ -65,6 +65,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.csv:
         check_directory(args.csv)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # before the ranks load their parts (the tracer checks again)
+        from .tracer import refuse_parallel
+
+        asked = {p.strip() for p in args.record.split(",")} | ({"attribution"} if args.attribute else set())
+        refuse_parallel(asked & {"attribution", "flow"})
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
     stream = True if args.stream else None  # None: stream when the model does not fit in memory
     draw = rank0 and sys.stderr.isatty()  # a progress bar redrawn in place is for a terminal, not a log
@@ -133,11 +138,9 @@ def _attribution(args: argparse.Namespace, tokenizer, n_tokens: int, vocab_size:
             if getattr(args, flag) is not None:
                 raise InputError(f"--{flag} applies to --attribute")
         return None
-    if args.generate or (args.prefill is not None and args.prefill < n_tokens):
-        raise InputError("--attribute applies to one prefill of every position: not with --prefill or --generate")
     target, contrast = (_token(f"--{flag}", getattr(args, flag), tokenizer) for flag in ("target", "contrast"))
     request = AttributionRequest(args.position, target, contrast)
-    request.check(n_tokens, vocab_size)  # before the run
+    request.check(n_tokens + max(args.generate, 0), vocab_size)  # before the model runs
     return request
 
 

@@ -72,9 +72,14 @@ def trace_tokens(
     ``plan`` is the tensor-parallel plan when the model is split over ranks.
 
     ``attribution``: record the direct logit attribution (tracing.attribution) at its position for
-    its target; the resolved position, target and contrast go to ``extra["attribution"]``.
+    its target; the resolved position, target and contrast go to ``extra["attribution"]``. With
+    ``prefill`` or ``generate`` the position is read in the pass that ran it (the default, the
+    last, is the run's last position); a position a generation did not reach (it stopped at the
+    end-of-sequence token) is an InputError.
     """
     check_token_ids(ids, model, max_tokens, generate)
+    if attribution is not None:
+        attribution.check(len(ids) + generate, model.args.vocab_size)
     sampling = (sampling or Sampling()).seeded()
     n_prefill = len(ids) if prefill is None else prefill
     if not 1 <= n_prefill <= len(ids):
@@ -106,6 +111,8 @@ def trace_tokens(
                     stopped = "eos"
                     break
         values = tracer.merged(len(ids))
+    if tracer.attributes and not tracer.attribution_info:
+        raise InputError(f"--position {attribution.position}: the run ended after {len(ids)} positions (end of sequence)")
     values["tokens"] = torch.tensor(ids, dtype=torch.int64)
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
     if n_prefill < n_prompt:
@@ -143,8 +150,8 @@ def trace_tokens(
 def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
     ids: set[int] = set()
     for name, value in values.items():
-        if name.endswith(("logit_lens.topk_indices", "next.topk_indices")):
-            ids.update(value.flatten().tolist())
+        if name.endswith(("logit_lens.topk_indices", "next.topk_indices", "expert_lens.ids")):
+            ids.update(i for i in value.flatten().tolist() if i >= 0)
     if "logits.last" in values:
         ids.update(values["logits.last"].topk(min(top, values["logits.last"].numel())).indices.tolist())
     return sorted(ids)

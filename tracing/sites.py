@@ -34,7 +34,9 @@ class SiteSpec:
     reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
     rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
     patchable: bool = True  # a hook point whose value a patch or an intervention may replace
-    attribution: bool = False  # computed by tracing.attribution for one position and target: named, never by 'all'
+    # "attribution" (tracing.attribution, for one position and target) or "flow" (tracing.flow, the
+    # contribution graph): computed by that module's hooks; named (or --attribute, 'flow'), never by 'all'
+    analysis: str = ""
 
     @property
     def suffix(self) -> str:
@@ -160,7 +162,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "direct logit attribution (`--attribute`): each head's part of the target logit, through its columns of `wo`",
         derived_from="attn_out",
         patchable=False,
-        attribution=True,
+        analysis="attribution",
     ),
     SiteSpec(
         "layers.{i}.ffn.attribution",
@@ -172,7 +174,93 @@ REGISTRY: tuple[SiteSpec, ...] = (
         ),
         derived_from="ffn_out",
         patchable=False,
-        attribution=True,
+        analysis="attribution",
+    ),
+    SiteSpec(
+        "layers.{i}.attn.attribution_src",
+        "H S",
+        F32,
+        (
+            "direct logit attribution (`--attribute`): each head's part split over the key positions it read "
+            "(probability times that key's value through the head's columns of `wo`); 0 for keys not selected"
+        ),
+        derived_from="attn.probs",
+        patchable=False,
+        analysis="attribution",
+    ),
+    SiteSpec(
+        "layers.{i}.attn.attribution_src_rest",
+        "H",
+        F32,
+        "each head's part less the sum of its sources: what rounding the head's output (bfloat16, then FP8 for `wo`) leaves",
+        derived_from="attn.probs",
+        patchable=False,
+        analysis="attribution",
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.expert_lens.ids",
+        "E 2 L",
+        I64,
+        (
+            "per-expert logit lens (`--attribute`): the tokens each routed expert chosen at the position promotes "
+            "(row 0) and suppresses (row 1) most through the frozen final norm and the head; -1 for experts not chosen"
+        ),
+        blocks="moe",
+        derived_from="ffn.expert_out",
+        patchable=False,
+        analysis="attribution",
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.expert_lens.logits",
+        "E 2 L",
+        F32,
+        "their logit changes (the expert's weighted output through the frozen norm and the head)",
+        blocks="moe",
+        derived_from="ffn.expert_out",
+        patchable=False,
+        analysis="attribution",
+    ),
+    SiteSpec(
+        "layers.{i}.attn.flow",
+        "T S",
+        F32,
+        (
+            "contribution graph (`--record flow`): the share of position t's stream after the attention that "
+            "position s brought, all heads together; 0 for keys not selected (docs/attribution.md)"
+        ),
+        derived_from="attn.probs",
+        patchable=False,
+        analysis="flow",
+    ),
+    SiteSpec(
+        "layers.{i}.attn.flow_resid",
+        "T",
+        F32,
+        "contribution graph: the share position t's own stream (`resid_pre`) keeps through the attention",
+        derived_from="resid_mid",
+        patchable=False,
+        analysis="flow",
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.flow",
+        "T P",
+        F32,
+        (
+            "contribution graph: the share of position t's stream after the FFN that each routed expert brought "
+            "(0 where not chosen), then the shared expert; [T, 1] in a dense block (the MLP)"
+        ),
+        derived_from="resid_post",
+        patchable=False,
+        analysis="flow",
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.flow_resid",
+        "T",
+        F32,
+        "contribution graph: the share position t's stream before the FFN (`resid_mid`) keeps",
+        derived_from="resid_post",
+        patchable=False,
+        analysis="flow",
     ),
     SiteSpec("logits.last", "B V", F32, "logits at the last position", blocks="model", default=True),
     SiteSpec("logits.all", "B T V", F32, "every position's logits (large: on request)", blocks="model"),
@@ -224,7 +312,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         derived_from="logits.last",
         patchable=False,
-        attribution=True,
+        analysis="attribution",
     ),
     SiteSpec(
         "attribution.rest",
@@ -234,7 +322,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         derived_from="logits.last",
         patchable=False,
-        attribution=True,
+        analysis="attribution",
     ),
     SiteSpec(
         "attribution.total",
@@ -244,14 +332,13 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         derived_from="logits.last",
         patchable=False,
-        attribution=True,
+        analysis="attribution",
     ),
 )
 # the logit lens costs a head product per block (more than the forward of a small model): on request
 LOGIT_LENS = "layers.*.logit_lens.*"
 LOGIT_LENS_TOPK = 5
 NEXT_TOPK = 10  # alternatives recorded per position (next.topk_*)
-ATTRIBUTION_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.attribution)
 DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.default)
 _BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks != "model"}
 _TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
@@ -364,6 +451,7 @@ def dims(args: ModelArgs, name: str, n_tokens: int) -> dict[str, int]:
         "A": NEXT_TOPK,
         "P": _ffn_parts(args, name),
         "1": 1,
+        "2": 2,
     }
 
 
@@ -373,10 +461,15 @@ def _ffn_parts(args: ModelArgs, name: str) -> int:
     return args.n_routed_experts + 1 if where is not None and where[0] >= args.n_dense_layers else 1
 
 
+def analysis(name: str) -> str:
+    """The analysis that computes a site ("attribution", "flow"), or "" for the others."""
+    row = spec(name)
+    return "" if row is None else row.analysis
+
+
 def is_attribution(name: str) -> bool:
     """Whether a site is one of the direct logit attribution's (computed by tracing.attribution)."""
-    row = spec(name)
-    return row is not None and row.attribution
+    return analysis(name) == "attribution"
 
 
 def site_shape(args: ModelArgs, name: str, legend: str, n_tokens: int) -> tuple[int, ...]:
@@ -396,11 +489,15 @@ def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | 
         return 0, args.n_expert_groups
     if name.endswith(("logit_lens.topk_indices", "next.topk_indices")):
         return 0, args.vocab_size
+    if name.endswith("expert_lens.ids"):
+        return -1, args.vocab_size
     return None
 
 
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:
-    """Site names matching glob patterns (``*`` crosses dots); 'default' and 'all' are shorthands.
+    """Site names matching glob patterns (``*`` crosses dots); 'default', 'attribution' (with its
+    defaults: the last position's top prediction), 'flow' (the contribution graph) and 'all' are
+    shorthands.
 
     Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
     record nothing; the default patterns need not match (a model without a MoE block has no gate).
@@ -416,8 +513,10 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
     for pattern in patterns:
         if pattern == "default":
             matched = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS)]
-        elif pattern == "all":  # not the attribution: it needs a position and a target (named, or --attribute)
-            matched = [n for n in names if not is_attribution(n)]
+        elif pattern in ("attribution", "flow"):  # an analysis' sites (a model without MoE blocks has no expert lens)
+            matched = [n for n in names if analysis(n) == pattern]
+        elif pattern == "all":  # not the analyses: the attribution needs a position and a target, the graph is costly
+            matched = [n for n in names if not analysis(n)]
         else:
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):

@@ -259,30 +259,107 @@ def next_token_table(trace: Trace, top: int = 10) -> pd.DataFrame:
     )
 
 
+ATTRIBUTION_PARTS = ("embed", "head", "expert", "shared", "mlp")  # the kinds that sum, with the rest, to the total
+
+
 def attribution_table(trace: Trace) -> pd.DataFrame:
     """The direct logit attribution, one row per part (tracing.attribution): the embedding, each
-    head, each chosen routed expert and the shared expert (or a dense block's MLP), then the rest;
-    ``share`` is the part's |value| over the sum of every part's |value| (the rest's too, over the same sum)."""
+    head, each chosen routed expert and the shared expert (or a dense block's MLP), then the rest.
+    A head's split over the keys it read follows it: ``source`` rows (the key position in
+    ``source``, its token in ``source_token``; keys the indexer dropped hold 0 and are not listed)
+    and a ``source_rest`` row. ``share`` is the row's |value| over the sum of every part's |value|
+    (kinds in ATTRIBUTION_PARTS; the sources split a head's part and are not counted twice)."""
     if "attribution.total" not in trace:
         return pd.DataFrame()
-    rows = [("attribution.embed", -1, "embed", -1, float(trace["attribution.embed"][0]))]
+    tokens = np.asarray(trace.tokens, dtype=object)
+    rows = [("attribution.embed", -1, "embed", -1, -1, float(trace["attribution.embed"][0]))]
     for i in trace.layers_with("attn.attribution"):
+        sources, rests = trace.site(i, "attn.attribution_src"), trace.site(i, "attn.attribution_src_rest")
         for head, value in enumerate(trace.site(i, "attn.attribution").tolist()):
-            rows.append((site_name(i, f"attn.head.{head}"), i, "head", head, value))
-    for i in trace.layers_with("ffn.attribution"):
+            name = site_name(i, f"attn.head.{head}")
+            rows.append((name, i, "head", head, -1, value))
+            if sources is not None:
+                for s in torch.nonzero(sources[head]).flatten().tolist():
+                    rows.append((f"{name}.source.{s}", i, "source", head, s, float(sources[head, s])))
+            if rests is not None:
+                rows.append((f"{name}.source_rest", i, "source_rest", head, -1, float(rests[head])))
         parts = trace.site(i, "ffn.attribution").tolist()
         if len(parts) == 1:
-            rows.append((site_name(i, "ffn"), i, "mlp", -1, parts[0]))
+            rows.append((site_name(i, "ffn"), i, "mlp", -1, -1, parts[0]))
             continue
         chosen = [e for e, value in enumerate(parts[:-1]) if value != 0.0]  # experts not chosen hold 0
-        rows.extend((site_name(i, f"ffn.experts.{e}"), i, "expert", e, parts[e]) for e in chosen)
-        rows.append((site_name(i, "ffn.shared_experts"), i, "shared", -1, parts[-1]))
-    frame = pd.DataFrame(rows, columns=["part", "block", "kind", "index", "value"])
-    magnitude = frame["value"].abs().sum()
-    rest = pd.DataFrame([("attribution.rest", -1, "rest", -1, float(trace["attribution.rest"][0]))], columns=frame.columns)
-    frame = pd.concat([frame, rest], ignore_index=True)
+        rows.extend((site_name(i, f"ffn.experts.{e}"), i, "expert", e, -1, parts[e]) for e in chosen)
+        rows.append((site_name(i, "ffn.shared_experts"), i, "shared", -1, -1, parts[-1]))
+    rows.append(("attribution.rest", -1, "rest", -1, -1, float(trace["attribution.rest"][0])))
+    frame = pd.DataFrame(rows, columns=["part", "block", "kind", "index", "source", "value"])
+    frame.insert(5, "source_token", np.where(frame["source"] >= 0, tokens[frame["source"].clip(lower=0)], ""))
+    magnitude = frame.loc[frame["kind"].isin(ATTRIBUTION_PARTS), "value"].abs().sum()
     frame["share"] = frame["value"].abs() / magnitude if magnitude > 0 else np.nan
     return frame
+
+
+def expert_lens_table(trace: Trace) -> pd.DataFrame:
+    """The per-expert logit lens at the attributed position: per MoE block and chosen routed expert,
+    the tokens its weighted output promotes and suppresses most through the frozen final norm and
+    the head, with the logit change each gets."""
+    frames = []
+    position = trace.extra.get("attribution", {}).get("position", -1)
+    for i in trace.layers_with("ffn.expert_lens.ids"):
+        ids = trace.site(i, "ffn.expert_lens.ids").numpy()  # (E, 2, L), -1 for experts not chosen
+        changes = trace.site(i, "ffn.expert_lens.logits")
+        experts = np.flatnonzero(ids[:, 0, 0] >= 0)
+        chosen = ids[experts]  # (k, 2, L)
+        k, _, top = chosen.shape
+        frame = {
+            "block": i,
+            "position": position,
+            "expert": np.repeat(experts, 2 * top),
+            "direction": np.tile(np.repeat(["promotes", "suppresses"], top), k),
+            "rank": np.tile(np.arange(top), 2 * k),
+            "token_id": chosen.ravel(),
+            "token": _names(trace, chosen.ravel()),
+        }
+        if changes is not None:
+            frame["logit"] = changes.numpy()[experts].ravel()
+        frames.append(pd.DataFrame(frame))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def flow_table(trace: Trace) -> pd.DataFrame:
+    """The contribution graph (tracing.flow), one row per edge with a positive share: per block,
+    what fed each position's stream: through the attention, each key position (``key``, the
+    source in ``source``) and the position's own stream (``residual``); through the FFN, each
+    chosen routed expert (``expert``), the shared expert or the dense MLP, and the stream before
+    it (``residual``). ``share`` is of the receiving stream (docs/attribution.md)."""
+    tokens = np.asarray(trace.tokens, dtype=object)
+    columns = ["block", "stage", "position", "token", "kind", "source", "source_token", "expert", "share"]
+    frames = []
+    for i in trace.layers_with("attn.flow"):
+        stages = [("attn", trace.site(i, "attn.flow"), trace.site(i, "attn.flow_resid"))]
+        stages.append(("ffn", trace.site(i, "ffn.flow"), trace.site(i, "ffn.flow_resid")))
+        for stage, shares, kept in stages:
+            if shares is None:
+                continue
+            grid = shares.numpy()  # (T, S) keys, or (T, E + 1) experts then the shared, or (T, 1) the MLP
+            t, col = np.nonzero(grid > 0)
+            if stage == "attn":
+                kind, source, expert = np.full(len(t), "key", dtype=object), col, np.full(len(t), -1)
+            else:
+                dense = grid.shape[1] == 1
+                last = col == grid.shape[1] - 1
+                kind = np.where(last, "mlp" if dense else "shared", "expert").astype(object)
+                source, expert = t, np.where(last, -1, col)
+            frame = {"block": i, "stage": stage, "position": t, "kind": kind, "source": source, "expert": expert}
+            frames.append(pd.DataFrame({**frame, "share": grid[t, col]}))
+            if kept is not None:
+                pos = np.arange(len(kept))
+                frame = {"block": i, "stage": stage, "position": pos, "kind": "residual", "source": pos, "expert": -1}
+                frames.append(pd.DataFrame({**frame, "share": kept.numpy()}))
+    if not frames:
+        return pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True)
+    out["token"], out["source_token"] = tokens[out["position"]], tokens[out["source"]]
+    return out.sort_values(["block", "stage", "position"], kind="stable", ignore_index=True)[columns]
 
 
 BUILDERS = {
@@ -297,6 +374,8 @@ BUILDERS = {
     "next_token": next_token_table,
     "steps": steps_table,
     "attribution": attribution_table,
+    "expert_lens": expert_lens_table,
+    "flow": flow_table,
 }
 
 

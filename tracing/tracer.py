@@ -20,12 +20,14 @@ from model.config import ModelArgs
 
 from .attribution import AttributionRequest, Attributor
 from .errors import InputError
+from .flow import Flow
+from .heads import HeadReads
 from .interventions import Intervention, Replace
+from .recall import head_recall
 from .sites import (
-    ATTRIBUTION_PATTERNS,
     LOGIT_LENS_TOPK,
+    analysis,
     hook_points,
-    is_attribution,
     layer_site,
     next_topk,
     select,
@@ -45,7 +47,8 @@ class Tracer:
     ``plan``: a :class:`model.parallel.ParallelPlan` under tensor parallelism; values that a rank
     holds only its heads of are gathered (every rank must trace with the same sites).
     ``attribution``: the direct logit attribution's position and target (tracing.attribution); its
-    sites are recorded with it, and with their defaults when named in ``record`` without it.
+    sites are recorded with it, and with their defaults when named in ``record`` without it. The
+    contribution graph (tracing.flow) is computed when its sites are recorded (``flow``).
 
     The logit lens (final norm and head applied to each block's output) is computed by hooks on
     the model's own ``norm`` and ``head`` while they run, so it works where weights are present
@@ -67,12 +70,15 @@ class Tracer:
         self.args: ModelArgs = model.args
         self.sites = select(self.args, record)
         if attribution is not None:
-            self.sites = select(self.args, [*self.sites, *ATTRIBUTION_PATTERNS])
-        attributed = any(is_attribution(name) for name in self.sites)
-        if attributed and plan is not None and plan.world > 1:
-            raise InputError("the attribution runs in one process: it cannot be combined with tensor or expert parallelism")
-        self._attribution = (attribution or AttributionRequest()) if attributed else None
+            self.sites = select(self.args, [*self.sites, "attribution"])
+        analyses = {analysis(name) for name in self.sites} - {""}
+        if plan is not None and plan.world > 1:
+            refuse_parallel(analyses)
+        self._attribution = (attribution or AttributionRequest()) if "attribution" in analyses else None
+        self._flow = "flow" in analyses
+        self.attributes = self._attribution is not None
         self.attribution_info: dict = {}  # the attributed position, target and contrast, once the pass ran
+        self._attributed: dict[str, torch.Tensor] = {}  # its values: from the pass that held the position
         self.patches = dict(patches or {})
         self.interventions = list(interventions)
         self.on_block = on_block
@@ -107,7 +113,7 @@ class Tracer:
     def next_pass(self, start_pos: int) -> None:
         """Keep the values recorded so far as one pass; the next pass starts at ``start_pos``."""
         if self._attribution is not None:
-            raise InputError("the attribution applies to one prefill of every position: not with --prefill or --generate")
+            self._attributor.begin_pass(start_pos)
         self._steps.append(self.values)
         self.values = {}
         self._start_pos = start_pos
@@ -119,8 +125,12 @@ class Tracer:
         (probabilities), selection columns (K) with -1; a last-position value from the last pass."""
         self._pending = None  # after the run's last position: the greedy token's probability stays
         steps = [*self._steps, self.values]
-        if len(steps) == 1:
-            return self.values
+        out = self.values if len(steps) == 1 else self._concatenated(steps, n_positions)
+        for name, value in self._attributed.items():  # the sources read the keys of their pass: padded to all
+            out[name] = _pad(value, 1, n_positions, 0.0) if name.endswith("attribution_src") else value
+        return out
+
+    def _concatenated(self, steps: list[dict[str, torch.Tensor]], n_positions: int) -> dict[str, torch.Tensor]:
         legends = site_shapes(self.args)
         out = {}
         for name in steps[0]:
@@ -129,7 +139,7 @@ class Tracer:
             if axes[0] not in ("T", "N"):  # logits.last: the last position's
                 out[name] = parts[-1]
                 continue
-            for axis, fill in (("S", 0.0 if name.endswith(("probs", "probs_mean")) else float("-inf")), ("K", -1)):
+            for axis, fill in (("S", float("-inf") if name.endswith("scores") else 0.0), ("K", -1)):
                 if axis in axes:
                     dim = axes.index(axis)
                     width = n_positions if axis == "S" else max(p.shape[dim] for p in parts)
@@ -170,7 +180,7 @@ class Tracer:
                 continue
             layer = where[0]
             keep.update(site_name(layer, read) for read in row.reads)  # read later in this pass
-            if name in replacers or row.derived_from is None or row.attribution:
+            if name in replacers or row.derived_from is None or row.analysis:
                 continue
             if row.suffix.startswith("logit_lens."):
                 lens.add(layer)
@@ -200,13 +210,25 @@ class Tracer:
         if self._lens or self._next:
             self._handles.append(self.model.norm.register_forward_hook(self._lens_norm))
             self._handles.append(self.model.head.register_forward_hook(self._lens_head))
-        if self._attribution is not None:  # after the interventions' hooks: it reads the values the model uses
-            attributor = Attributor(self.model, self._attribution, self._mine, self._record_attribution)
+        # the analyses' hooks come after the interventions': they read the values the model uses
+        sources = any(name.endswith("attn.attribution_src") for name in self.sites)
+        reads = HeadReads(self.model, self._mine) if sources or self._flow else None
+        if reads is not None:
+            self._handles.extend(reads.register())
+        if self._attribution is not None:
+            lens = any(".expert_lens." in name for name in self.sites)
+            reads_for = reads if sources else None
+            attributor = Attributor(self.model, self._attribution, self._mine, self._record_attribution, reads_for, lens)
             self._handles.extend(attributor.register())
             self._attributor = attributor
+        if self._flow:
+            self._handles.extend(Flow(self.model, reads, self._mine, self._record).register())
+
+    def _record(self, values: dict[str, torch.Tensor]) -> None:
+        self.values.update((name, value) for name, value in values.items() if name in self.sites)
 
     def _record_attribution(self, values: dict[str, torch.Tensor]) -> None:
-        self.values.update((name, value) for name, value in values.items() if name in self.sites)
+        self._attributed = {name: value for name, value in values.items() if name in self.sites}
         self.attribution_info = self._attributor.info
 
     def _lens_norm(self, module, inputs, output):
@@ -299,15 +321,19 @@ class Tracer:
         layer = int(target.split(".")[1])
         if target.endswith("attn.probs_mean"):
             return value[0].float().mean(dim=1).cpu()  # (T, H, S) -> (T, S)
-        # recall: dense softmax over the causal keys, mass on the indexer's selection, mean over heads
-        scores = value[0].float()  # (T, H, S)
-        t, _, s = scores.shape
-        causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
-        dense = scores.masked_fill(~causal[:, None, :], float("-inf")).softmax(dim=-1)
-        selected = self._seen[site_name(layer, "attn.indexer.topk_indices")][0]  # (T, K)
-        slot = torch.where(selected < 0, s, selected)
-        keep = torch.zeros(t, s + 1, dtype=torch.bool, device=scores.device).scatter_(-1, slot, True)[:, :s] & causal
-        return (dense * keep[:, None, :]).sum(-1).mean(-1).cpu()
+        # recall: the dense attention mass on the indexer's selection, mean over heads
+        selected = self._seen[site_name(layer, "attn.indexer.topk_indices")]  # (B, T, K)
+        return head_recall(value, selected)[0].mean(-1).cpu()  # (T,)
+
+
+def refuse_parallel(analyses: set[str]) -> None:
+    """The analyses (attribution, flow) read every head's and expert's values in one process: under
+    tensor or expert parallelism a rank holds only its part, so they are refused with one line."""
+    if analyses:
+        raise InputError(
+            f"the {' and the '.join(sorted(analyses))} run in one process: not under torchrun "
+            "(tensor or expert parallelism); trace on one GPU (--stream) instead"
+        )
 
 
 def _to_cpu(value: torch.Tensor, legend: str) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""What the attribution and the contribution graph cost: a traced prefill with the default sites,
+with ``--attribute`` (the parts, each head's sources, the per-expert logit lens), with the graph
+(``--record default,flow``) and with both, as seconds and as ratios to the default trace.
+
+    python scripts/bench_attribution.py                    # the demo: T = 128 (trained), 128 and 512 (its
+                                                           # architecture, synthetic weights, context raised)
+    python scripts/bench_attribution.py --synthetic assets/configs/config_671B_hf.json --n-layers 1 \\
+        --tokens 128,512 --reps 1                          # real width, one block
+    python scripts/bench_attribution.py --causal 5         # the causal check: parts against ablations
+
+A benchmark run by hand, not a test; it prints one JSON object on stdout (progress on stderr).
+Variants are timed per round in an order rotated from round to round (one warm-up first); each
+figure is the median over rounds. The demo's context is 256 positions: T = 512 runs its
+architecture with synthetic weights and max_seq_len raised, which does the same work per site.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from model import ModelArgs  # noqa: E402  first: it sets OMP_WAIT_POLICY before torch loads
+
+# isort: split
+import torch  # noqa: E402
+
+from model.checkpoint import load_model  # noqa: E402
+from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
+from tracing.attribution import AttributionRequest, removable  # noqa: E402
+from tracing.loading import DEMO  # noqa: E402
+from tracing.runner import trace_tokens  # noqa: E402
+
+VARIANTS = {
+    "default": {"record": "default"},
+    "attribute": {"record": "default", "attribution": AttributionRequest()},
+    "flow": {"record": "default,flow"},
+    "attribute_flow": {"record": "default,flow", "attribution": AttributionRequest()},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench_attribution {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def models(opts) -> list[tuple[str, torch.nn.Module, list[int]]]:
+    """(label, model, token counts) to measure."""
+    tokens = [int(t) for t in opts.tokens.split(",")]
+    if opts.synthetic:
+        args = (
+            truncate_layers(ModelArgs.from_file(opts.synthetic), opts.n_layers)
+            if opts.n_layers
+            else ModelArgs.from_file(opts.synthetic)
+        )
+        label = f"synthetic {Path(opts.synthetic).name}, {args.n_layers} block(s)"
+        return [(label, load_model(SyntheticSource(args, seed=0)), tokens)]
+    demo = ModelArgs.from_file(DEMO / "config.json")
+    out = [("the demo (trained)", load_model(DEMO), [t for t in tokens if t <= demo.max_seq_len])]
+    longest = max(tokens)
+    wide = demo.replace(max_seq_len=longest, original_seq_len=longest)
+    out.append(("the demo's architecture, synthetic weights", load_model(SyntheticSource(wide, seed=0)), tokens))
+    return out
+
+
+def measure(model, n_tokens: int, reps: int) -> dict:
+    ids = torch.randint(2, model.args.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    names = list(VARIANTS)
+    times: dict[str, list[float]] = {n: [] for n in names}
+
+    def run(name: str) -> float:
+        start = time.perf_counter()
+        trace = trace_tokens(model, ids, **VARIANTS[name])
+        run.bytes[name] = sum(t.numel() * t.element_size() for t in trace.tensors.values())
+        return time.perf_counter() - start
+
+    run.bytes = {}
+    for name in names:  # warm-up: the FP8 weight caches are built on the first forward
+        run(name)
+    for r in range(reps):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(run(name))
+    median = {n: statistics.median(v) for n, v in times.items()}
+    return {
+        n: {
+            "seconds": round(median[n], 4),
+            "ratio": round(median[n] / median["default"], 3),
+            "trace_mb": round(run.bytes[n] / 2**20, 2),
+        }
+        for n in names
+    }
+
+
+def causal(top: int) -> dict:
+    """On the demo: for each prompt, the ``top`` heads and routed experts of largest |part|, each
+    removed alone (--ablate-heads / --zero-experts): its direct part against the change of the
+    target logit the removal causes (a part p predicts a change of -p when nothing downstream reacts)."""
+    from tests.test_attribution import CAUSAL_PROMPTS
+    from tracing.interventions import from_spec
+    from tracing.tokenizer import Tokenizer
+
+    model, tokenizer = load_model(DEMO), Tokenizer(DEMO)
+    rows = []
+    for prompt in CAUSAL_PROMPTS:
+        ids = tokenizer.encode(prompt)
+        base = trace_tokens(model, ids, attribution=AttributionRequest())
+        target = base.extra["attribution"]["target"]
+        for part, key, block, index in sorted(removable(base), key=lambda p: -abs(p[0]))[:top]:
+            run = trace_tokens(model, ids, interventions=from_spec({key: {block: [index]}}))
+            moved = float(run["logits.last"][target] - base["logits.last"][target])
+            rows.append({"prompt": prompt, "what": f"{key} {block}:{index}", "part": round(part, 4), "moved": round(moved, 4)})
+    largest = [next(r for r in rows if r["prompt"] == p) for p in CAUSAL_PROMPTS]
+    parts, moved = torch.tensor([r["part"] for r in rows]), torch.tensor([r["moved"] for r in rows])
+    return {
+        "largest_agree": sum(r["part"] * r["moved"] < 0 for r in largest),
+        "all_agree": int((parts * moved < 0).sum()),
+        "n": len(rows),
+        "correlation_part_vs_minus_moved": round(float(torch.corrcoef(torch.stack([parts, -moved]))[0, 1]), 3),
+        "median_moved_over_minus_part": round(float((-moved / parts).median()), 3),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--synthetic", help="a config file: synthetic weights of that architecture")
+    parser.add_argument("--n-layers", type=int, help="with --synthetic: its first N blocks")
+    parser.add_argument("--tokens", default="128,512")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--causal", type=int, metavar="N", help="instead: the causal check on the demo, N parts per prompt")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    if opts.causal:
+        print(json.dumps(causal(opts.causal), indent=1))
+        return
+    out = {"threads": opts.threads, "cpu": os.uname().machine, "load_average_start": list(os.getloadavg()), "runs": []}
+    for label, model, tokens in models(opts):
+        args = model.args
+        for n in tokens:
+            log(f"{label}: T={n}")
+            result = {"model": label, "tokens": n, "dim": args.dim, "heads": args.n_heads, "blocks": args.n_layers}
+            result["variants"] = measure(model, n, opts.reps)
+            out["runs"].append(result)
+    out["load_average_end"] = list(os.getloadavg())
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
