@@ -48,6 +48,54 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.2f}%"
 
 
+def atlas_section(measured_recall: list[float]) -> str:
+    """The bundled atlas (assets/demo_atlas, scripts/demo_atlas.py): its command and per-block
+    figures; ``measured_recall`` is the card's own recall per block, for comparison."""
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+    from demo_atlas import ATLAS_COMMAND
+
+    folder = Path(__file__).resolve().parent.parent / "assets" / "demo_atlas"
+    if not (folder / "summary.json").is_file():
+        return ""
+    summary = json.loads((folder / "summary.json").read_text())
+    recall = pd.read_parquet(folder / "indexer_recall.parquet").set_index("block")
+    bias = pd.read_parquet(folder / "bias_effect.parquet").set_index("block")
+    columns = ("block", "busiest / mean load", "CV of the load", "experts never chosen", "tokens the bias reroutes")
+    rows = ["| " + " | ".join((*columns, "recall median", "recall mean")) + " |", "|---|---|---|---|---|---|---|"]
+    for block in range(summary["n_layers"]):
+        load = summary["imbalance"].get(str(block))
+        moe = (
+            f"{load['max_over_mean']:.2f} | {load['cv']:.3f} | {load['never_chosen']} | "
+            f"{bias.loc[block, 'tokens_changed'] / bias.loc[block, 'tokens']:.1%}"
+            if load
+            else "dense | | |"
+        )
+        rows.append(f"| {block} | {moe} | {recall.loc[block, 'p50']:.3f} | {recall.loc[block, 'mean']:.3f} |")
+    command = ATLAS_COMMAND.format(texts="/tmp/demo-atlas-texts", out="assets/demo_atlas")
+    return f"""## Atlas
+
+`assets/demo_atlas` is this model's atlas over the held-out texts (the last three chapters of
+*Persuasion* and the Python FAQ): expert load, co-activation, each expert's most specific tokens,
+group load, the correction bias's effect, the indexer's reach, recall and sinks, counted over
+{summary["tokens"]:,} positions in {summary["sequences"]} sequences of at most {summary["settings"]["seq_len"]}
+([docs/atlas.md](../../docs/atlas.md)). The app's Atlas page opens it at once. Made by:
+
+```bash
+python scripts/demo_atlas.py     # writes the held-out texts (scripts/demo_corpus.py), then runs:
+{command}
+```
+
+{chr(10).join(rows)}
+
+The recall here is over every window of the held-out texts; measured above on 48 windows it is
+{", ".join(f"{x:.3f}" for x in measured_recall)}.
+
+"""
+
+
 def render(card: dict, counts: dict, size_bytes: int) -> str:
     import json
     from pathlib import Path
@@ -258,7 +306,7 @@ held-out windows): next-token top-1 accuracy and cross-entropy sharpen block by 
 
 {chr(10).join(lens)}
 
-## Corpus and licences
+{atlas_section(main["recall_per_layer"])}## Corpus and licences
 
 Both from Debian 12 (bookworm) main, fetched with `apt-get download` and unpacked with `dpkg-deb -x`
 (no installation, no root needed), prepared by `scripts/demo_corpus.py`:

@@ -1,4 +1,4 @@
-"""python -m tracing {run, export, info, eval, diff}: the command line of docs/architecture.md (Contracts).
+"""python -m tracing {run, export, info, eval, diff, atlas}: the command line of docs/architecture.md (Contracts).
 
 Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
 leaves no partial output file behind (outputs are written to a temporary name, then renamed); so
@@ -19,8 +19,9 @@ from model.ops import describe_cpu_route
 from model.params import count_params
 from model.progress import ProgressBar
 
+from . import atlas_cli
 from .errors import InputError
-from .loading import open_checkpoint, open_synthetic, parse_device, parse_dtype, resolve_checkpoint
+from .loading import add_device_options, open_checkpoint, open_synthetic, parse_device, parse_dtype, resolve_checkpoint
 from .tokenizer import TokenizerError
 from .trace import Trace, TraceError
 
@@ -279,11 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--csv", help=f"also write every table as CSV into this directory{_REUSED}")
     run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
-    run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    run.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
-    run.add_argument(
-        "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
-    )
+    add_device_options(run)
     run.add_argument(
         "--prefill",
         type=int,
@@ -346,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="bfloat16")
     ev.set_defaults(func=cmd_eval)
+
+    atlas_cli.add_parser(sub)
     return parser
 
 

@@ -32,6 +32,15 @@ def parse_dtype(name: str) -> torch.dtype:
         raise InputError(f"--dtype {name!r}: choose bfloat16 or float32") from None
 
 
+def add_device_options(parser) -> None:
+    """--device, --dtype and --stream, as every command that runs a model takes them."""
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
+    parser.add_argument(
+        "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
+    )
+
+
 def parse_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
@@ -68,10 +77,18 @@ class Loaded:
 
 
 def open_source(
-    source: WeightSource, label: str, tokenizer: Tokenizer | None, device, dtype, stream: bool | None = None, progress=None
+    source: WeightSource,
+    label: str,
+    tokenizer: Tokenizer | None,
+    device,
+    dtype,
+    stream: bool | None = None,
+    progress=None,
+    split: bool = True,
 ) -> Loaded:
     """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
-    over the ranks of a torchrun launch when there is one."""
+    over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel;
+    without it every rank holds the whole model, for data parallel work)."""
     from model import parallel
     from model.stream import should_stream
 
@@ -83,9 +100,9 @@ def open_source(
         stream = should_stream(source, device)
     if stream:
         model = build_model(source.args, dtype)
-        plan = parallel.parallelize(model) if dist is not None else None
+        plan = parallel.parallelize(model) if dist is not None and split else None
         return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
-    if dist is not None:
+    if dist is not None and split:
         model, plan = parallel.load_parallel(source, device, dtype)
         return Loaded(model, tokenizer, source, label, device, False, plan)
     return Loaded(load_model(source, device, dtype), tokenizer, source, label, device)
@@ -97,11 +114,13 @@ def open_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     stream: bool | None = False,
     progress=None,
+    split: bool = True,
 ) -> Loaded:
     directory = resolve_checkpoint(path)
     source = SafetensorsSource(directory)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
-    return open_source(source, "demo" if directory == DEMO else str(directory), tokenizer, device, dtype, stream, progress)
+    label = "demo" if directory == DEMO else str(directory)
+    return open_source(source, label, tokenizer, device, dtype, stream, progress, split)
 
 
 def open_synthetic(
@@ -111,9 +130,10 @@ def open_synthetic(
     dtype=torch.bfloat16,
     stream: bool | None = False,
     progress=None,
+    split: bool = True,
 ) -> Loaded:
     try:
         source = synthetic_source(config, n_layers)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
-    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress)
+    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split)
