@@ -38,7 +38,7 @@ def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
     st.markdown(
         " ".join(f":red-badge[:material/science: {widgets.escape_md(d)}]" for d in describe_interventions(from_spec(spec)))
     )
-    summary_metrics(info, tables, a.config.n_layers)
+    summary_metrics(info, tables, a.config.n_layers, iv.memo(("logit_move", base.key), lambda: interventions.logit_move(a, b)))
 
     labels = tokens.labels(base)
     left, right = st.columns(2, gap="large")
@@ -115,8 +115,31 @@ def memo_figure(iv: Entry, base: Entry, name: str, build):
     return iv.memo(("figure", "interventions", name, base.key), build)
 
 
-def summary_metrics(info: dict, tables: dict, n_layers: int) -> None:
-    cols = st.columns(5)
+def summary_metrics(info: dict, tables: dict, n_layers: int, move: interventions.LogitMove | None) -> None:
+    """Two rows: how the prediction after the last position moved (the causal check reads it), then where."""
+    cols = st.columns(3)
+    frame = tables.get("next_token")
+    names = dict(zip(frame["token_id"], frame["token"], strict=True)) if frame is not None else {}
+    shown = lambda i: tokens.show_token(str(names.get(i, f"<{i}>")), html_escape=False)  # noqa: E731
+    if "next_token_a" in info:
+        before, after = shown(info["next_token_a"]), shown(info["next_token_b"])
+        cols[0].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
+    if move is not None:
+        rank = "still the top prediction" if move.rank_after == 0 else f"now ranked {move.rank_after + 1}"
+        cols[1].metric(
+            f"Logit of {shown(move.token_id)}",
+            f"{move.after:.3f}",
+            f"{move.after - move.before:+.3f}",
+            help=f"The baseline's top next token after the last position: logit {move.before:.4f} in the baseline, "
+            f"{move.after:.4f} intervened ({rank}). Removing a part that attribution says raised it should lower it.",
+        )
+    kl = info.get("next_token_kl")
+    cols[2].metric(
+        "Next-token KL",
+        "—" if kl is None else f"{kl:.4g} nats",
+        help="KL(baseline ‖ intervened) of the next-token distribution after the last position",
+    )
+    cols = st.columns(3)
     first = info.get("first_layer_changed")
     cols[0].metric(
         "First block that changed",
@@ -133,18 +156,6 @@ def summary_metrics(info: dict, tables: dict, n_layers: int) -> None:
                 f"{int(frame['changed'].sum())} of {len(frame)}",
                 help="(block, position) pairs whose selected set differs between the runs",
             )
-    kl = info.get("next_token_kl")
-    cols[3].metric(
-        "Next-token KL",
-        "—" if kl is None else f"{kl:.4g} nats",
-        help="KL(baseline ‖ intervened) of the next-token distribution after the last position",
-    )
-    frame = tables.get("next_token")
-    if frame is not None and "next_token_a" in info:
-        names = dict(zip(frame["token_id"], frame["token"], strict=True))
-        before = tokens.show_token(str(names.get(info["next_token_a"], f"<{info['next_token_a']}>")), html_escape=False)
-        after = tokens.show_token(str(names.get(info["next_token_b"], f"<{info['next_token_b']}>")), html_escape=False)
-        cols[4].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
     drift = info.get("max_rel_l2_per_layer")
     if drift:
         st.caption(
@@ -158,10 +169,10 @@ def load_change(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
     if not blocks:
         st.caption("No MoE blocks in this trace: no expert load to compare.")
         return
-    ablated = {int(b): tuple(ids) for b, ids in (spec.get("ablate") or {}).items()}
+    ablated, zeroed = ({int(b): tuple(ids) for b, ids in (spec.get(key) or {}).items()} for key in ("ablate", "zero_experts"))
     options = blocks
     if st.session_state.get("iv_load_block") not in options:
-        st.session_state["iv_load_block"] = next(iter(ablated), blocks[0])
+        st.session_state["iv_load_block"] = next(iter(ablated or zeroed), blocks[0])
     block = st.selectbox("Expert load of", options, key="iv_load_block", format_func=lambda b: f"block {b}")
     before = experts.expert_tokens(base.trace, block)
     after = experts.expert_tokens(iv.trace, block)
@@ -173,7 +184,9 @@ def load_change(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
         iv,
         base,
         ("load", block),
-        lambda: interventions.expert_load_change_figure(before, after, ablated.get(block, ()), block, cfg.experts_per_group),
+        lambda: interventions.expert_load_change_figure(
+            before, after, ablated.get(block, ()), block, cfg.experts_per_group, zeroed.get(block, ())
+        ),
     )
     widgets.chart(fig, "iv_load")
 

@@ -1,8 +1,10 @@
 """Interventions: a baseline and an intervened trace of one prompt, compared (tracing.diff): where
-the stream starts to move, which experts, keys and lens predictions changed, how the next token moved."""
+the stream starts to move, which experts, keys and lens predictions changed, how the next token moved.
+Also what the page picks per block (experts to ablate or zero, heads to ablate) as plain values."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +12,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from model.config import ModelArgs
+from tracing.attribution import removable
+from tracing.interventions import AblateHeads, from_spec
+from tracing.trace import Trace
 
 from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, rows_figure, write_cells
 from .tokens import show_token
@@ -128,6 +133,95 @@ def moe_block_ids(cfg: ModelArgs) -> list[int]:
     return list(range(cfg.n_dense_layers, cfg.n_layers))
 
 
+@dataclass(frozen=True)
+class PerBlock:
+    """An intervention the page picks block by block: its ``from_spec`` key, the session-state keys of
+    its widgets, and what it removes (routed experts of the MoE blocks, or heads of every block)."""
+
+    spec_key: str  # "ablate", "zero_experts" or "ablate_heads"
+    flag: str  # the command line's flag, whose LAYER:ID,... syntax the typed text takes
+    prefix: str  # + block: the ids picked in that block
+    block_key: str  # the block whose ids are being picked
+    text_key: str  # ids typed as LAYER:ID,...
+    heads: bool = False  # heads of every block, else routed experts of the MoE blocks
+
+    def blocks(self, cfg: ModelArgs) -> list[int]:
+        return list(range(cfg.n_layers)) if self.heads else moe_block_ids(cfg)
+
+    def ids(self, cfg: ModelArgs) -> list[int]:
+        return list(range(cfg.n_heads if self.heads else cfg.n_routed_experts))
+
+    def block_of(self, key: object) -> int | None:
+        """The block a session-state key holds this intervention's picks for, or None."""
+        if isinstance(key, str) and key.startswith(self.prefix) and key.removeprefix(self.prefix).isdigit():
+            return int(key.removeprefix(self.prefix))
+        return None
+
+    @property
+    def what(self) -> str:
+        return "HEAD" if self.heads else "EXPERT"
+
+    def typed(self, text: str) -> dict[int, tuple[int, ...]]:
+        """``LAYER:ID,...`` as block -> ids, as the flag reads it (InputError when it does not parse)."""
+        if not text.strip():
+            return {}
+        (change,) = from_spec({self.spec_key: text})
+        return change.heads if isinstance(change, AblateHeads) else change.experts
+
+    def picked(self, state: Mapping, cfg: ModelArgs) -> dict[int, list[int]]:
+        """The ids picked in each block plus those typed: ``{block: sorted ids}``, as ``from_spec`` takes it."""
+        chosen = {b: set(state.get(f"{self.prefix}{b}") or ()) for b in self.blocks(cfg)}
+        for block, ids in self.typed(state.get(self.text_key) or "").items():
+            chosen.setdefault(block, set()).update(ids)
+        return {b: sorted(int(i) for i in ids) for b, ids in sorted(chosen.items()) if ids}
+
+
+ABLATE = PerBlock("ablate", "--ablate-experts", "iv_experts_", "iv_block", "iv_ablate_text")
+ZERO = PerBlock("zero_experts", "--zero-experts", "iv_zeroed_", "iv_zero_block", "iv_zero_text")
+HEADS = PerBlock("ablate_heads", "--ablate-heads", "iv_heads_", "iv_head_block", "iv_head_text", heads=True)
+PER_BLOCK = (ABLATE, ZERO, HEADS)  # in from_spec's (and the command line's) order
+ARRIVING = "iv_arriving"  # a removal another page asked for: {spec key: {block: [id]}}, run on arrival
+
+
+def listing(chosen: Mapping[int, list[int]]) -> str:
+    """``{1: [0, 3], 2: [1]}`` as the command line writes it: ``1:0,1:3,2:1``."""
+    return ",".join(f"{block}:{i}" for block, ids in sorted(chosen.items()) for i in ids)
+
+
+def ask_to_remove(state: MutableMapping, spec_key: str, block: int, index: int) -> None:
+    """For a link from another page: the Interventions page opens with only this removal picked, and runs it."""
+    state[ARRIVING] = {spec_key: {block: [index]}}
+
+
+def strongest(trace: Trace, block: int) -> list[tuple[str, int, float]]:
+    """In an attributed trace, the block's head and its chosen routed expert with the largest |part|,
+    as (the from_spec key that removes it, head or expert, part): the causal check's candidates."""
+    best: dict[str, tuple[float, int]] = {}
+    for value, key, layer, index in removable(trace):
+        if layer == block and abs(value) > abs(best.get(key, (0.0, 0))[0]):
+            best[key] = (value, index)
+    return [(key, index, value) for key, (value, index) in sorted(best.items())]
+
+
+@dataclass(frozen=True)
+class LogitMove:
+    """How the baseline's top next token (after the last position) fared in the intervened run."""
+
+    token_id: int
+    before: float  # its logit in the baseline
+    after: float  # its logit in the intervened run
+    rank_after: int  # 0: still the top prediction
+
+
+def logit_move(a: Trace, b: Trace) -> LogitMove | None:
+    """The logit of the baseline's top next token in both runs: the summary a causal check reads."""
+    if "logits.last" not in a or "logits.last" not in b:
+        return None
+    la, lb = a["logits.last"].double(), b["logits.last"].double()  # (V,)
+    top = int(la.argmax())
+    return LogitMove(top, float(la[top]), float(lb[top]), int((lb > lb[top]).sum()))
+
+
 def changed_rows(frame: pd.DataFrame, name: str) -> pd.DataFrame:
     """The rows of diff table ``name`` where the runs differ."""
     if name == "stream":
@@ -198,9 +292,10 @@ def block_changes_figure(frame: pd.DataFrame, n_tokens: int) -> go.Figure:
 
 
 def expert_load_change_figure(
-    before: np.ndarray, after: np.ndarray, ablated: tuple[int, ...], block: int, per_group: int
+    before: np.ndarray, after: np.ndarray, ablated: tuple[int, ...], block: int, per_group: int, zeroed: tuple[int, ...] = ()
 ) -> go.Figure:
-    """Tokens per expert of one MoE block, baseline and intervened; ablated experts crossed out."""
+    """Tokens per expert of one MoE block, baseline and intervened; ablated experts crossed out, zeroed
+    ones (still chosen, writing nothing) ringed."""
     x = np.arange(len(before))
     traces: list[dict] = [
         {
@@ -220,18 +315,19 @@ def expert_load_change_figure(
             "hovertemplate": "expert %{x}: %{y} tokens (intervened)<extra></extra>",
         },
     ]
-    if ablated:
-        traces.append(
-            {
-                "type": "scatter",
-                "x": list(ablated),
-                "y": [0] * len(ablated),
-                "mode": "markers",
-                "name": "ablated",
-                "marker": {"symbol": "x", "size": 11, "color": COLORS["marker"]},
-                "hovertemplate": "expert %{x}: ablated<extra></extra>",
-            }
-        )
+    for ids, name, symbol in ((ablated, "ablated", "x"), (zeroed, "zeroed (chosen, writes nothing)", "circle-open")):
+        if ids:
+            traces.append(
+                {
+                    "type": "scatter",
+                    "x": list(ids),
+                    "y": [0] * len(ids),
+                    "mode": "markers",
+                    "name": name,
+                    "marker": {"symbol": symbol, "size": 11, "color": COLORS["marker"]},
+                    "hovertemplate": "expert %{x}: " + name + "<extra></extra>",
+                }
+            )
     e = len(before)
     return figure(
         traces,

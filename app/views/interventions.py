@@ -1,6 +1,7 @@
-"""Interventions: change one thing (ablate experts, route without the correction bias, dense attention or
-another index_topk), run the prompt again, and compare the two traces side by side: where the residual
-stream starts to move, which experts and keys changed, and how the predictions moved.
+"""Interventions: change one thing (ablate experts, zero their outputs, ablate attention heads, route
+without the correction bias, dense attention or another index_topk), run the prompt again, and
+compare the two traces side by side: where the residual stream starts to move, which experts and
+keys changed, and how the predictions moved.
 
 The session keeps only the widgets' values and the last run's spec (small dicts, read by
 tracing.interventions.from_spec); the baseline and the intervened trace live in the process-wide
@@ -19,49 +20,40 @@ from app.core.models import OpenModel
 from app.core.session import current, session_model
 from app.core.traces import Entry, store, trace_prompt
 from app.topics import experts
-from app.topics.interventions import moe_block_ids
-from tracing.interventions import AblateExperts, from_spec
+from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, ZERO, PerBlock, listing, moe_block_ids
+from tracing.interventions import from_spec
 
 ATTENTION = ("model", "dense", "topk")
-# widget values kept while the page is not drawn (another page, another block's expert list)
-_KEEP = ("iv_block", "iv_ablate_text", "iv_no_bias", "iv_no_bias_blocks", "iv_attention", "iv_topk", "iv_only_changed")
-_EXPERTS = "iv_experts_"  # + block: the experts ablated in that block
+# widget values kept while the page is not drawn (another page, another block's list); + each PerBlock's keys
+_KEEP = ("iv_no_bias", "iv_no_bias_blocks", "iv_attention", "iv_topk", "iv_only_changed")
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
 
 
 # --- the spec: what to run, as plain values ---------------------------------------------------------------
 def spec_from_widgets(cfg) -> dict[str, Any]:
-    """The interventions the widgets ask for: ``{"ablate": {block: [experts]}, "no_bias": None | "all" |
-    [blocks], "attention": None | "dense" | k}``. InputError when the typed ablations do not parse."""
-    ablate: dict[int, set[int]] = {}
-    for block in moe_block_ids(cfg):
-        picked = st.session_state.get(f"{_EXPERTS}{block}") or []
-        if picked:
-            ablate.setdefault(block, set()).update(int(e) for e in picked)
-    text = (st.session_state.get("iv_ablate_text") or "").strip()
-    if text:
-        for block, ids in AblateExperts.parse(text).experts.items():
-            ablate.setdefault(block, set()).update(ids)
+    """The interventions the widgets ask for: ``{"ablate" | "zero_experts" | "ablate_heads": {block: [ids]},
+    "no_bias": None | "all" | [blocks], "attention": None | "dense" | k}``. InputError when typed ids do
+    not parse."""
+    spec: dict[str, Any] = {kind.spec_key: kind.picked(st.session_state, cfg) for kind in PER_BLOCK}
     no_bias = None
     if st.session_state.get("iv_no_bias") and cfg.has_gate_bias:
         chosen = st.session_state.get("iv_no_bias_blocks") or []
         no_bias = sorted(int(b) for b in chosen) if chosen else "all"
     mode = st.session_state.get("iv_attention", "model")
     attention = "dense" if mode == "dense" else int(st.session_state.get("iv_topk") or 1) if mode == "topk" else None
-    return {"ablate": {b: sorted(ids) for b, ids in sorted(ablate.items())}, "no_bias": no_bias, "attention": attention}
+    return {**spec, "no_bias": no_bias, "attention": attention}
 
 
 # --- callbacks (run before the page is drawn again) ------------------------------------------------------------
-def _add_expert(block: int, expert: int) -> None:
-    key = f"{_EXPERTS}{block}"
+def _add_expert(key: str, expert: int) -> None:
     st.session_state[key] = sorted({*(st.session_state.get(key) or []), expert})
 
 
 def _clear() -> None:
-    for key in list(st.session_state):
-        if isinstance(key, str) and key.startswith(_EXPERTS):
+    for kind in PER_BLOCK:
+        for key in [k for k in st.session_state if kind.block_of(k) is not None]:
             st.session_state[key] = []
-    st.session_state["iv_ablate_text"] = ""
+        st.session_state[kind.text_key] = ""
     st.session_state["iv_no_bias"] = False
     st.session_state["iv_no_bias_blocks"] = []
     st.session_state["iv_attention"] = "model"
@@ -69,19 +61,11 @@ def _clear() -> None:
 
 def _keep(cfg) -> None:
     """Carry the widgets' values across pages and block switches, dropping values this config lacks."""
-    for key in list(st.session_state):
-        if isinstance(key, str) and (key in _KEEP or key.startswith(_EXPERTS)):
-            st.session_state[key] = st.session_state[key]
+    for key in [k for k in st.session_state if k in _KEEP]:
+        st.session_state[key] = st.session_state[key]
+    for kind in PER_BLOCK:
+        _keep_picks(kind, cfg)
     blocks = moe_block_ids(cfg)
-    for key in [k for k in st.session_state if isinstance(k, str) and k.startswith(_EXPERTS)]:
-        block = key.removeprefix(_EXPERTS)
-        if not block.isdigit() or int(block) not in blocks:
-            del st.session_state[key]
-        else:
-            st.session_state[key] = [e for e in st.session_state[key] if 0 <= e < cfg.n_routed_experts]
-    if st.session_state.get("iv_block") not in blocks:
-        chosen = st.session_state.get("block", 0)
-        st.session_state["iv_block"] = chosen if chosen in blocks else (blocks[0] if blocks else None)
     st.session_state["iv_no_bias_blocks"] = [b for b in st.session_state.get("iv_no_bias_blocks", []) if b in blocks]
     st.session_state.setdefault("iv_no_bias", False)
     st.session_state.setdefault("iv_attention", "model")
@@ -90,13 +74,44 @@ def _keep(cfg) -> None:
     st.session_state.setdefault("iv_only_changed", True)
 
 
+def _keep_picks(kind: PerBlock, cfg) -> None:
+    blocks, ids = kind.blocks(cfg), kind.ids(cfg)
+    for key in [k for k in st.session_state if kind.block_of(k) is not None]:
+        if kind.block_of(key) not in blocks:
+            del st.session_state[key]
+        else:
+            st.session_state[key] = [i for i in st.session_state[key] if i in ids]
+    if kind.text_key in st.session_state:
+        st.session_state[kind.text_key] = st.session_state[kind.text_key]
+    block = st.session_state.get(kind.block_key)
+    if block not in blocks:
+        chosen = st.session_state.get("block", 0)
+        block = chosen if chosen in blocks else (blocks[0] if blocks else None)
+    st.session_state[kind.block_key] = block
+
+
+def _arrive() -> bool:
+    """Take a removal another page asked for (app.topics.interventions.ask_to_remove): it alone is picked.
+    True when there was one, to run it now."""
+    asked = st.session_state.pop(ARRIVING, None)
+    if not asked:
+        return False
+    _clear()
+    for kind in PER_BLOCK:
+        for block, ids in (asked.get(kind.spec_key) or {}).items():
+            st.session_state[f"{kind.prefix}{block}"] = list(ids)
+            st.session_state[kind.block_key] = block
+    return True
+
+
 # --- the page --------------------------------------------------------------------------------------------------
 def page() -> None:
     widgets.page_header(
         "Interventions",
-        "Change one thing and watch what moves: ablate experts (the router goes around them), route without the "
-        "correction bias, or attend to every key (or another number of them). The prompt runs again and the two "
-        "traces are compared block by block.",
+        "Change one thing and watch what moves: ablate experts (the router goes around them), zero experts' outputs "
+        "(still chosen, writing nothing), ablate attention heads, route without the correction bias, or attend to "
+        "every key (or another number of them). The prompt runs again and the two traces are compared block by block; "
+        "removing the head or expert with the largest part on the Attribution page is its causal check.",
         current(),
     )
     om = session_model()
@@ -107,10 +122,11 @@ def page() -> None:
     if base is None:
         return
     cfg = om.args
+    arrived = _arrive()
     _keep(cfg)
     controls(base, cfg)
     run = st.button("Run with these interventions", type="primary", key="iv_run", icon=":material/play_arrow:")
-    if run:
+    if run or arrived:
         run_now(om, base, cfg)
     result = st.session_state.get(RESULT)
     if result is None:
@@ -156,7 +172,7 @@ def baseline(om: OpenModel) -> Entry | None:
         return entry
     try:
         with st.spinner("Tracing the baseline…"):
-            return trace_prompt(om, key.prompt, generation=key.generation)
+            return trace_prompt(om, key.prompt, generation=key.generation, chat=key.chat)
     except BAD_INPUT as exc:
         st.error(f"**The baseline could not be traced.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
@@ -165,13 +181,20 @@ def baseline(om: OpenModel) -> Entry | None:
 def controls(base: Entry, cfg) -> None:
     blocks = moe_block_ids(cfg)
     with st.container(border=True):
-        experts_col, router_col, attention_col = st.columns(3, gap="large")
-        with experts_col:
-            st.markdown("**Ablate experts**")
-            if not blocks:
-                st.caption("This model has no MoE blocks.")
-            else:
-                ablation_controls(base, cfg, blocks)
+        ablate_col, zero_col, heads_col = st.columns(3, gap="large")
+        for column, title, kind, draw in (
+            (ablate_col, "Ablate experts", ABLATE, ablation_controls),
+            (zero_col, "Zero experts", ZERO, zero_controls),
+            (heads_col, "Ablate heads", HEADS, head_controls),
+        ):
+            with column:
+                st.markdown(f"**{title}**")
+                if kind.blocks(cfg):
+                    draw(base, cfg)
+                    typed(kind, cfg)
+                else:
+                    st.caption("This model has no MoE blocks.")
+        router_col, attention_col, clear_col = st.columns(3, gap="large")
         with router_col:
             st.markdown("**Router**")
             st.toggle(
@@ -213,46 +236,93 @@ def controls(base: Entry, cfg) -> None:
                 help=f"The model's is {cfg.index_topk}; with {base.trace.n_tokens} tokens, {base.trace.n_tokens} or "
                 "more is dense attention.",
             )
-        st.button("Clear all", key="iv_clear", on_click=_clear, icon=":material/restart_alt:")
+        clear_col.button("Clear all", key="iv_clear", on_click=_clear, icon=":material/restart_alt:")
 
 
-def ablation_controls(base: Entry, cfg, blocks: list[int]) -> None:
-    block = st.selectbox("MoE block", blocks, key="iv_block", format_func=lambda b: f"block {b}")
+def block_picker(kind: PerBlock, cfg, label: str) -> int:
+    return st.selectbox(label, kind.blocks(cfg), key=kind.block_key, format_func=lambda b: f"block {b}")
+
+
+def expert_picker(base: Entry, cfg, kind: PerBlock, label: str, help: str) -> None:
+    """A MoE block, its experts (each with the tokens routed to it in the baseline), and the busiest one to add."""
+    block = block_picker(kind, cfg, "MoE block")
+    key = f"{kind.prefix}{block}"
     counts = base.memo(("expert_tokens", block), lambda: experts.expert_tokens(base.trace, block))
     st.multiselect(
-        f"Experts never chosen in block {block}",
-        list(range(cfg.n_routed_experts)),
-        key=f"{_EXPERTS}{block}",
+        label.format(block=block),
+        kind.ids(cfg),
+        key=key,
         format_func=(lambda e: f"{e} · {counts[e]} tok") if counts is not None else str,
         placeholder="none",
-        help="Masked out of the router's scores before the group and expert top-k: each token goes to its next "
-        f"choices. At least k = {cfg.n_activated_experts} experts must remain.",
+        help=help,
     )
     busiest = experts.busiest_experts(base.trace, block, 5)
-    if busiest:
-        st.caption(
-            f"Busiest in block {block} (baseline, tokens of {base.trace.n_tokens}): "
-            + " · ".join(f"{e} ({n})" for e, n in busiest)
-        )
-        left = [e for e, _ in busiest if e not in (st.session_state.get(f"{_EXPERTS}{block}") or [])]
-        if left:
-            st.button(
-                f"Add expert {left[0]}, the busiest not picked",
-                key="iv_add_busiest",
-                on_click=_add_expert,
-                args=(block, left[0]),
-                icon=":material/add:",
-            )
-    st.text_input(
-        "More, typed as LAYER:EXPERT,…",
-        key="iv_ablate_text",
-        placeholder="e.g. 1:3,2:7",
-        help="The command line's --ablate-experts syntax; added to the picks above.",
+    if not busiest:
+        return
+    st.caption(
+        f"Busiest in block {block} (baseline, tokens of {base.trace.n_tokens}): " + " · ".join(f"{e} ({n})" for e, n in busiest)
     )
-    chosen = {b: st.session_state.get(f"{_EXPERTS}{b}") for b in blocks}
-    picked = "; ".join(f"block {b}: {', '.join(map(str, sorted(ids)))}" for b, ids in chosen.items() if ids)
-    if picked:
-        st.caption(f"Picked: {picked}")
+    left = [e for e, _ in busiest if e not in (st.session_state.get(key) or [])]
+    if left:
+        st.button(
+            f"Add expert {left[0]}, the busiest not picked",
+            key=f"iv_add_busiest_{kind.spec_key}",
+            on_click=_add_expert,
+            args=(key, left[0]),
+            icon=":material/add:",
+        )
+
+
+def ablation_controls(base: Entry, cfg) -> None:
+    expert_picker(
+        base,
+        cfg,
+        ABLATE,
+        "Experts never chosen in block {block}",
+        "Masked out of the router's scores before the group and expert top-k: each token goes to its next choices "
+        f"(the routing changes). At least k = {cfg.n_activated_experts} experts must remain.",
+    )
+
+
+def zero_controls(base: Entry, cfg) -> None:
+    expert_picker(
+        base,
+        cfg,
+        ZERO,
+        "Experts writing nothing in block {block}",
+        "Still chosen, with the same gate weights, but their weighted output is zeroed before the routed sum: the "
+        "routing stays as it was and only what these experts write is removed. Unlike Ablate experts, which routes "
+        "each token to its next choice. The causal check of an expert's attribution.",
+    )
+
+
+def head_controls(base: Entry, cfg) -> None:
+    block = block_picker(HEADS, cfg, "Block")
+    st.multiselect(
+        f"Heads of block {block} whose output is zero",
+        HEADS.ids(cfg),
+        key=f"{HEADS.prefix}{block}",
+        format_func=lambda h: f"{block}:{h}",
+        placeholder="none",
+        help="The head's attention probabilities are zeroed, so it reads no value and its output before wo is zero; "
+        "the block's other heads and its indexer's keys stay as they were, while its FFN (routing included) and the "
+        "later blocks read the changed stream. The causal check of a head's attribution. Shown as LAYER:HEAD, like "
+        "--ablate-heads.",
+    )
+
+
+def typed(kind: PerBlock, cfg) -> None:
+    """The command line's LAYER:ID,... text, added to the picks, and every block's picks as that flag writes them."""
+    st.text_input(
+        f"More, typed as LAYER:{kind.what},…",
+        key=kind.text_key,
+        placeholder="e.g. 1:3,2:0",
+        help=f"The command line's {kind.flag} syntax; added to the picks above.",
+    )
+    picked = {b: st.session_state.get(f"{kind.prefix}{b}") for b in kind.blocks(cfg)}
+    shown = listing({b: sorted(ids) for b, ids in picked.items() if ids})
+    if shown:
+        st.caption(f"Picked: `{kind.flag} {shown}`")
 
 
 def run_now(om: OpenModel, base: Entry, cfg) -> None:
@@ -260,7 +330,10 @@ def run_now(om: OpenModel, base: Entry, cfg) -> None:
         spec = spec_from_widgets(cfg)
         changes = from_spec(spec)
         if not changes:
-            st.warning("Nothing to change: choose experts to ablate, the router without its bias, or another attention.")
+            st.warning(
+                "Nothing to change: choose experts to ablate or zero, heads to ablate, the router without its bias, or "
+                "another attention."
+            )
             return
         bar = st.progress(0.0, text="Running with the interventions…")
 
@@ -268,7 +341,7 @@ def run_now(om: OpenModel, base: Entry, cfg) -> None:
             bar.progress(i / cfg.n_layers, text=f"Block {i} ({i + 1} of {cfg.n_layers})…")
 
         try:
-            trace_prompt(om, base.key.prompt, on_block, interventions=changes, generation=base.key.generation)
+            trace_prompt(om, base.key.prompt, on_block, interventions=changes, generation=base.key.generation, chat=base.key.chat)
         finally:
             bar.empty()
     except BAD_INPUT as exc:
@@ -281,7 +354,9 @@ def intervened(om: OpenModel, base: Entry, spec: dict[str, Any]) -> Entry | None
     """The last run's trace, from the store, or run again when the store dropped it."""
     try:
         with st.spinner("Running with the interventions…"):
-            return trace_prompt(om, base.key.prompt, interventions=from_spec(spec), generation=base.key.generation)
+            return trace_prompt(
+                om, base.key.prompt, interventions=from_spec(spec), generation=base.key.generation, chat=base.key.chat
+            )
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None

@@ -1,0 +1,218 @@
+"""Attribution: why the model predicts what it does. One logit (the target at a position, or target
+minus a contrast) split over the embedding, every block's heads and routed experts and the rest;
+one block's parts with each expert's logit lens; the prompt's tokens coloured by what they brought
+through the attention; and, on request, the contribution graph of positions x blocks.
+
+The session keeps only the pickers' values; the attributed traces live in the process-wide store
+(app.core.traces), one per position, target, contrast and graph, beside the plain trace."""
+
+from __future__ import annotations
+
+import html
+
+import streamlit as st
+
+from app import card_view, widgets
+from app.core.errors import BAD_INPUT
+from app.core.models import OpenModel
+from app.core.session import View, session_model
+from app.core.traces import Entry, TraceKey, trace_prompt
+from app.pages import PAGES
+from app.topics import attribution as topic
+from app.topics import interventions
+from app.topics.tokens import labels
+from tracing.attribution import AttributionRequest
+
+FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)
+PICKED_FOR = "attr_picked_for"  # the plain trace's key the pickers were set for
+NONE = -1  # the contrast picker's "none" (a selectbox shows None as no choice at all)
+TARGET_HELP = "The position's ten most likely next tokens, the most likely first."
+CONTRAST_HELP = "Attribute the target's logit minus this token's: what makes the model prefer one over the other."
+INTERVENTIONS = next(p for p in PAGES if p.name == "interventions")
+
+
+INTRO = (
+    "Which blocks, heads, experts and earlier tokens made a prediction: with the final norm's scale frozen, the logit "
+    "is a sum of one number per part (docs/attribution.md). Keys the indexer dropped bring nothing."
+)
+
+
+def page() -> None:
+    view = card_view.topic_page("Attribution", INTRO, ["head", "mla", "experts"], "attribution")
+    if view is None:
+        return
+    if topic.attributed(view.trace) is not None:  # a trace file made with --attribute: shown as it is
+        st.caption(":material/info: This trace holds an attribution: shown as it was recorded.")
+        show(View(view.entry, view.block))
+        return
+    om = session_model()
+    key = view.entry.key
+    if om is None or not key.on(om):
+        no_model()
+        return
+    request = pickers(view.entry, key.plain)
+    flow = st.session_state.get(FLOW_FOR) == key.plain
+    entry = attributed(om, key.plain, request, flow)
+    if entry is not None:
+        show(View(entry, view.block))
+
+
+def no_model() -> None:
+    st.info(
+        "The attribution runs the model again: choose **Bundled demo** or a **Checkpoint directory** in the sidebar. "
+        "A trace file shows its attribution when it was made with one: "
+        "`python -m tracing run ... --attribute [--position P] [--target TOKEN] [--record default,flow]`.",
+        icon=":material/info:",
+    )
+
+
+def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:
+    """Position (default: the last), target (default: the top prediction there) and an optional contrast."""
+    trace = base.trace
+    n = trace.n_tokens
+    if st.session_state.get(PICKED_FOR) != plain or st.session_state.get("attr_position") not in range(n):
+        st.session_state[PICKED_FOR] = plain
+        st.session_state["attr_position"] = n - 1
+        st.session_state["attr_target"] = st.session_state["attr_contrast"] = None  # the top prediction, no contrast
+    names = labels(base)
+    left, middle, right = st.columns(3)
+    position = left.selectbox("Position", range(n), key="attr_position", format_func=lambda t: names[t])
+    options = topic.candidates(trace, position)
+    if not options:  # a trace without next.topk_*: the top prediction, whichever it is
+        return AttributionRequest(position)
+    target = pick(middle, "Target", options, "attr_target", lambda i: topic.token_name(trace, i), TARGET_HELP)
+    others = [NONE, *(i for i in options if i != target)]
+    name = lambda i: "none" if i == NONE else f"minus {topic.token_name(trace, i)}"  # noqa: E731
+    contrast = pick(right, "Contrast", others, "attr_contrast", name, CONTRAST_HELP)
+    return AttributionRequest(position, target, None if contrast == NONE else contrast)
+
+
+def pick(where, label: str, options: list[int], key: str, name, help: str) -> int:
+    """A selectbox that keeps its choice while the choice is among the options, else takes the first."""
+    if st.session_state.get(key) not in options:
+        st.session_state[key] = options[0]
+    return where.selectbox(label, options, key=key, format_func=name, help=help)
+
+
+def attributed(om: OpenModel, plain: TraceKey, request: AttributionRequest, flow: bool) -> Entry | None:
+    record = ("default", "flow") if flow else ("default",)
+    try:
+        with st.spinner("Attributing…"):
+            return trace_prompt(
+                om,
+                plain.prompt,
+                variant=topic.variant(request, flow),
+                attribution=request,
+                record=record,
+                generation=plain.generation,
+                chat=plain.chat,
+            )
+    except BAD_INPUT as exc:
+        st.error(f"**Not attributed.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+        return None
+
+
+def show(view: View) -> None:
+    trace = view.trace
+    info = topic.attributed(trace)
+    position = info["position"]
+    what = f"the logit of {topic.token_name(trace, info['target'])!r}"
+    if info["contrast"] is not None:
+        what += f" minus that of {topic.token_name(trace, info['contrast'])!r}"
+    coarse = view.memo("attr_coarse", lambda: topic.coarse_parts(trace))
+    magnitude = float(coarse.loc[coarse["kind"] != "rest", "value"].abs().sum())
+    rest = f"{info['rest']:+.5f}, {abs(info['rest']) / max(magnitude, 1e-30):.3%} of the parts' total size"
+    st.markdown(f"At position **{position}**, {widgets.escape_md(what)} is **{info['total']:+.4f}**; the rest is {rest}.")
+    grid = view.memo("attr_grid", lambda: topic.block_grid(trace))
+    side_by_side(
+        view,
+        ("attr_waterfall", lambda: topic.waterfall_figure(coarse, info["total"], html.escape(what))),
+        ("attr_grid", lambda: topic.grid_figure(*grid)),
+    )
+    block_view(view)
+    prompt_view(view, position)
+    graph_view(view, position)
+    with st.expander("Every part as a table (sources: each head's split over the keys it read)"):
+        table = view.table("attribution")
+        st.dataframe(table, hide_index=True, width="stretch")
+        widgets.csv_button(st, table, "attribution.csv", "attr_csv")
+
+
+def side_by_side(view: View, *charts: tuple) -> None:
+    """Figures in columns, each ``(key, build, *args)`` built once per trace (widgets.memo_chart)."""
+    for column, (key, build, *args) in zip(st.columns(len(charts), gap="large"), charts, strict=True):
+        with column:
+            widgets.memo_chart(view, key, build, *args)
+
+
+def block_view(view: View) -> None:
+    block = view.block
+    st.subheader(f"Block {block}", anchor=False)
+    parts = view.memo(("attr_block", block), lambda: topic.block_parts(view.trace, block))
+    if parts is None:
+        widgets.missing("No parts", ["layers.{i}.attn.attribution"], block)
+        return
+    side_by_side(
+        view,
+        ("attr_heads", lambda: topic.heads_figure(parts, block), block),
+        ("attr_ffn", lambda: topic.ffn_figure(parts, block), block),
+    )
+    removals(view, block)
+    lens = parts.ffn[parts.ffn["promotes"] != ""]
+    if not lens.empty:
+        st.caption("Each chosen expert's weighted output through the frozen final norm and the head (the logit lens):")
+        st.dataframe(lens.drop(columns="expert"), hide_index=True, width="stretch")
+
+
+def removals(view: View, block: int) -> None:
+    """The causal check one click away: the block's head and expert with the largest |part|, removed on the
+    Interventions page (a head ablated, an expert's output zeroed with its routing kept)."""
+    candidates = view.memo(("attr_strongest", block), lambda: interventions.strongest(view.trace, block))
+    for column, (key, index, value) in zip(st.columns(max(len(candidates), 1)), candidates, strict=False):
+        verb, what = ("Ablate", "head") if key == "ablate_heads" else ("Zero", "expert")
+        label = f"{verb} {what} {block}:{index} (part {value:+.3f}) on the Interventions page"
+        tip = "The Interventions page compares the runs at the last position: the baseline's top token's logit."
+        if column.button(label, key=f"attr_remove_{key}", icon=INTERVENTIONS.icon, help=tip):
+            interventions.ask_to_remove(st.session_state, key, block, index)
+            st.switch_page(str(INTERVENTIONS.file))
+
+
+def prompt_view(view: View, position: int) -> None:
+    st.subheader("What each token brought through the attention", anchor=False)
+    totals = view.memo("attr_sources", lambda: topic.source_totals(view.trace))
+    if totals is None:
+        widgets.missing("No sources", ["layers.{i}.attn.attribution_src"])
+        return
+    st.caption(
+        "Each earlier token's part of the logit, summed over every head of every block: green raised it, red lowered it "
+        "(hover a token for its value). The position is outlined."
+    )
+    st.html(topic.coloured_prompt(view.trace, totals, position))
+
+
+def graph_view(view: View, position: int) -> None:
+    st.subheader("Contribution graph", anchor=False)
+    trace = view.trace
+    if not trace.layers_with("attn.flow"):
+        st.caption(
+            "How much each position's stream fed each later one through the attention, and each expert added, "
+            "as shares of the receiving stream (command line: `--record default,flow`)."
+        )
+        key = st.session_state.get("trace_key")
+        plain = key.plain if key is not None and key.traced else None
+        st.button(
+            "Compute the contribution graph",
+            key="attr_flow_run",
+            icon=":material/hub:",
+            disabled=plain is None,
+            on_click=lambda: st.session_state.__setitem__(FLOW_FOR, plain),
+        )
+        return
+    st.session_state.setdefault("attr_threshold", 0.05)
+    threshold = st.slider("Threshold", 0.01, 0.5, key="attr_threshold", step=0.01, help="Edges with a share above this.")
+    graph = view.memo(("attr_graph", position, threshold), lambda: topic.flow_graph(trace, position, threshold))
+    widgets.memo_chart(view, "attr_flow", lambda: topic.flow_figure(graph, labels(view), position), position, threshold)
+
+
+if __name__ == "__main__":
+    page()
