@@ -1,0 +1,306 @@
+"""The atlas: what a corpus run (``python -m tracing atlas``) counted, drawn. Every figure reads the
+atlas tables (docs/atlas.md) as they are: nothing is recomputed from traces here."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from tracing.atlas import Atlas, AtlasError, read_atlas
+
+from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_axis
+from .tokens import show_token
+
+BUNDLED = Path(__file__).resolve().parents[2] / "assets" / "demo_atlas"
+ZIP_NAMES = ("summary.json",)  # besides the tables' <name>.parquet files
+
+
+def open_zip(data: bytes, name: str, limit: int) -> Atlas:
+    """An atlas folder zipped (its files at the top or in one folder), read as data only. The
+    members are written under their base names in a fresh directory: no member path reaches
+    outside it, and nothing larger than ``limit`` bytes unpacked is read."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = [m for m in archive.infolist() if not m.is_dir()]
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise AtlasError(f"{name}: not a zip archive ({exc})") from None
+    wanted = [m for m in members if _member_name(m.filename) is not None]
+    if not wanted:
+        raise AtlasError(f"{name}: no summary.json or .parquet files in the archive: zip an atlas directory")
+    if sum(m.file_size for m in wanted) > limit:
+        raise AtlasError(f"{name}: unpacks to more than the {limit / 2**20:.3g} MiB this app reads")
+    with TemporaryDirectory(prefix="atlas-") as tmp:
+        for member in wanted:
+            target = Path(tmp) / _member_name(member.filename)
+            try:
+                target.write_bytes(archive.read(member))
+            except (zipfile.BadZipFile, OSError, RuntimeError, ValueError) as exc:
+                raise AtlasError(f"{name}: {member.filename} cannot be unpacked ({exc})") from None
+        return read_atlas(tmp)
+
+
+def _member_name(path: str) -> str | None:
+    base = path.replace("\\", "/").rsplit("/", 1)[-1]
+    if base in ZIP_NAMES or (base.endswith(".parquet") and base[:-8].isidentifier()):
+        return base
+    return None
+
+
+def blocks(atlas: Atlas) -> list[int]:
+    """The MoE blocks the atlas counted."""
+    return sorted(int(b) for b in atlas.tables["expert_load"]["block"].unique())
+
+
+# --- expert load ---------------------------------------------------------------------------------------------
+def load_figure(atlas: Atlas, sort: bool) -> go.Figure:
+    """Block x expert share of the block's selections; ``sort``: each block's experts from the busiest
+    down, so the shape of the imbalance compares across blocks."""
+    load = atlas.tables["expert_load"]
+    grid = load.pivot(index="block", columns="expert", values="share").fillna(0.0).sort_index()
+    counts = load.pivot(index="block", columns="expert", values="count").reindex_like(grid).fillna(0)
+    z, experts = grid.to_numpy(), np.broadcast_to(grid.columns.to_numpy(), grid.shape)
+    if sort:
+        order = np.argsort(-z, axis=1, kind="stable")
+        z = np.take_along_axis(z, order, axis=1)
+        experts = np.take_along_axis(experts, order, axis=1)
+        counts = pd.DataFrame(np.take_along_axis(counts.to_numpy(), order, axis=1), index=grid.index)
+    rows = [f"block {b}" for b in grid.index]
+    custom = np.stack([experts, counts.to_numpy()], axis=-1)
+    x_title = "experts, busiest first" if sort else "expert"
+    uniform = 1.0 / max(1, grid.shape[1])
+    trace = heatmap(
+        z * 100,
+        rows,
+        "%{y} expert %{customdata[0]}<br>%{z:.2f}% of the selections (%{customdata[1]:,} tokens)",
+        customdata=custom,
+        scale="% of selections",
+        zmin=0,
+        zmax=max(float(z.max()) * 100, 2 * uniform * 100),
+    )
+    title = f"Expert load: each block's share of selections (uniform: {uniform * 100:.2f}% each)"
+    return figure([trace], title, height=heat_height(len(rows), per=22), yaxis=reversed_axis(), xaxis={"title": x_title})
+
+
+def imbalance(atlas: Atlas) -> pd.DataFrame:
+    """Per block: max/mean load, coefficient of variation, experts never chosen (from the summary)."""
+    rows = atlas.summary.get("imbalance", {})
+    frame = pd.DataFrame([{"block": int(b), **v} for b, v in rows.items()])
+    return frame.sort_values("block", ignore_index=True) if not frame.empty else frame
+
+
+def imbalance_figure(table: pd.DataFrame) -> go.Figure:
+    x = [f"block {b}" for b in table["block"]]
+    traces = [
+        {"type": "bar", "x": x, "y": table["max_over_mean"], "name": "busiest / mean", "marker": {"color": COLORS["moe"]}},
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "x": x,
+            "y": table["cv"],
+            "name": "coefficient of variation",
+            "yaxis": "y2",
+            "marker": {"color": COLORS["attention"]},
+        },
+    ]
+    return figure(
+        traces,
+        "Imbalance per block (1 = perfectly even)",
+        height=300,
+        yaxis={"title": {"text": "busiest expert / mean"}, "rangemode": "tozero"},
+        yaxis2={
+            "title": {"text": "CV"},
+            "overlaying": "y",
+            "side": "right",
+            "rangemode": "tozero",
+            "showgrid": False,
+            "tickformat": ".2f",
+        },
+    )
+
+
+def group_figure(atlas: Atlas) -> go.Figure | None:
+    groups = atlas.tables["group_load"]
+    if groups.empty or groups["group"].nunique() < 2:
+        return None
+    grid = groups.pivot(index="block", columns="group", values="count").fillna(0).sort_index()
+    share = grid.div(grid.sum(axis=1).where(lambda s: s > 0, 1), axis=0) * 100
+    rows = [f"block {b}" for b in grid.index]
+    trace = heatmap(
+        share.to_numpy(),
+        rows,
+        "%{y} group %{x}<br>%{z:.1f}% of the group choices",
+        x=list(grid.columns),
+        scale="% of choices",
+    )
+    return figure(
+        [trace],
+        "Group load: how often each expert group was among the groups kept",
+        height=heat_height(len(rows), per=22),
+        yaxis=reversed_axis(),
+        xaxis={"title": "group", "dtick": 1},
+    )
+
+
+# --- co-activation and one expert ----------------------------------------------------------------------------
+def pair_matrix(atlas: Atlas, block: int) -> np.ndarray:
+    """Symmetric expert x expert counts of tokens that chose both (diagonal: the expert's own count)."""
+    n = int(atlas.summary.get("n_routed_experts") or atlas.tables["expert_load"]["expert"].max() + 1)
+    matrix = np.zeros((n, n), dtype=np.int64)
+    pairs = atlas.tables["expert_pairs"]
+    pairs = pairs[pairs["block"] == block]
+    a, b, c = (pairs[k].to_numpy(dtype=np.int64) for k in ("expert_a", "expert_b", "count"))
+    matrix[a, b] = c
+    matrix[b, a] = c
+    load = atlas.tables["expert_load"]
+    load = load[load["block"] == block]
+    matrix[load["expert"].to_numpy(dtype=np.int64), load["expert"].to_numpy(dtype=np.int64)] = load["count"].to_numpy()
+    return matrix
+
+
+def lift(matrix: np.ndarray, tokens: int) -> np.ndarray:
+    """Observed pair count over the count two independent experts with these loads would share,
+    both plus one, so that a pair never seen together reads as a finite (low) lift."""
+    own = np.diag(matrix).astype(float)
+    ratio = (matrix + 1.0) / (np.outer(own, own) / max(tokens, 1) + 1.0)
+    np.fill_diagonal(ratio, np.nan)
+    return ratio
+
+
+def coactivation_figure(matrix: np.ndarray, tokens: int, block: int, as_lift: bool) -> go.Figure:
+    n = matrix.shape[0]
+    if as_lift:
+        z = np.log2(lift(matrix, tokens))
+        trace = heatmap(
+            z,
+            list(range(n)),
+            "experts %{y} and %{x}<br>log2 lift %{z:.2f} (counts plus one)",
+            x=list(range(n)),
+            colorscale=DIVERGING,
+            zmid=0,
+            scale="log2 lift",
+        )
+        title = f"Block {block}: which experts fire together (log2 of observed / independent)"
+    else:
+        z = matrix.astype(float)
+        np.fill_diagonal(z, np.nan)
+        trace = heatmap(z, list(range(n)), "experts %{y} and %{x}<br>%{z:,} tokens chose both", x=list(range(n)), scale="tokens")
+        title = f"Block {block}: tokens that chose both experts"
+    axis = {"title": "expert", "constrain": "domain"}
+    return figure(
+        [trace], title, height=min(720, max(360, 10 * n + 120)), xaxis=axis, yaxis=reversed_axis(title="expert", scaleanchor="x")
+    )
+
+
+def expert_card(atlas: Atlas, block: int, expert: int, matrix: np.ndarray) -> dict:
+    """One expert in one block: load, its most specific tokens, its most frequent partners."""
+    load = atlas.tables["expert_load"]
+    row = load[(load["block"] == block) & (load["expert"] == expert)]
+    tokens = atlas.tables["expert_tokens"]
+    tokens = tokens[(tokens["block"] == block) & (tokens["expert"] == expert)].sort_values("pmi", ascending=False)
+    partners = pd.DataFrame({"expert": np.arange(matrix.shape[0]), "tokens_together": matrix[expert]})
+    partners = partners[partners["expert"] != expert].sort_values("tokens_together", ascending=False).head(8)
+    own = int(row["count"].iloc[0]) if not row.empty else 0
+    partners["share_of_its_tokens"] = partners["tokens_together"] / max(own, 1)
+    return {
+        "count": own,
+        "share": float(row["share"].iloc[0]) if not row.empty else 0.0,
+        "mean_weight": float(row["weight_sum"].iloc[0]) / own if own else 0.0,
+        "tokens": tokens.assign(token=tokens["token"].map(lambda t: show_token(t, html_escape=False)))[
+            ["token", "token_id", "count", "pmi"]
+        ],
+        "partners": partners.reset_index(drop=True),
+    }
+
+
+# --- routing bias ---------------------------------------------------------------------------------------------
+def bias_figure(atlas: Atlas) -> go.Figure:
+    bias = atlas.tables["bias_effect"].sort_values("block")
+    tokens = max(int(atlas.summary.get("tokens", 0)), 1)
+    x = [f"block {b}" for b in bias["block"]]
+    trace = {
+        "type": "bar",
+        "x": x,
+        "y": bias["tokens_changed"] / tokens * 100,
+        "customdata": np.stack([bias["tokens_changed"], bias["selections_changed"]], axis=-1),
+        "marker": {"color": COLORS["moe"]},
+        "hovertemplate": "%{x}<br>%{y:.1f}% of tokens (%{customdata[0]:,}) choose another set because of the bias"
+        "<br>%{customdata[1]:,} selections changed<extra></extra>",
+    }
+    return figure(
+        [trace],
+        "The correction bias: tokens whose experts it changes",
+        height=300,
+        yaxis={"title": "% of tokens", "rangemode": "tozero"},
+    )
+
+
+# --- the indexer ----------------------------------------------------------------------------------------------
+def distance_figure(atlas: Atlas) -> go.Figure:
+    """Block x log2 distance: where the selected keys lie behind their query, as a share per block."""
+    dist = atlas.tables["indexer_distance"]
+    grid = dist.pivot(index="block", columns="distance_bin", values="count").fillna(0).sort_index()
+    share = grid.div(grid.sum(axis=1).where(lambda s: s > 0, 1), axis=0) * 100
+    labels = [_distance_label(int(b)) for b in grid.columns]
+    rows = [f"block {b}" for b in grid.index]
+    trace = heatmap(share.to_numpy(), rows, "%{y}, keys %{x} back<br>%{z:.1f}% of the selected keys", x=labels, scale="% of keys")
+    return figure(
+        [trace],
+        "How far back the indexer's picks reach (query position − key position)",
+        height=heat_height(len(rows), per=22),
+        yaxis=reversed_axis(),
+        xaxis={"title": "distance", "type": "category"},
+    )
+
+
+def _distance_label(b: int) -> str:
+    return "0" if b < 0 else f"{2**b}–{2 ** (b + 1) - 1}" if b > 0 else "1"
+
+
+def recall_figure(atlas: Atlas) -> go.Figure | None:
+    recall = atlas.tables["indexer_recall"].sort_values("block")
+    recall = recall[recall["queries"] > 0]
+    if recall.empty:
+        return None
+    x = [f"block {b}" for b in recall["block"]]
+    traces = [
+        {
+            "type": "scatter",
+            "x": x,
+            "y": recall["p50"],
+            "mode": "markers",
+            "name": "median (bars: p10-p90)",
+            "marker": {"color": COLORS["attention"], "size": 9},
+            "error_y": {
+                "type": "data",
+                "symmetric": False,
+                "array": recall["p90"] - recall["p50"],
+                "arrayminus": recall["p50"] - recall["p10"],
+            },
+            "customdata": np.stack([recall["queries"], recall["mean"]], axis=-1),
+            "hovertemplate": "%{x}: median %{y:.3f}, mean %{customdata[1]:.3f}<br>over %{customdata[0]:,} queries<extra></extra>",
+        }
+    ]
+    return figure(
+        traces,
+        "Attention mass the selected keys keep (queries that see more keys than index_topk)",
+        height=320,
+        yaxis={"title": "recall", "range": [0, 1.02]},
+    )
+
+
+def sinks(atlas: Atlas, block: int, top: int = 15) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The key positions and the tokens the indexer keeps from afar more often than its rate at those
+    distances predicts, in one block: two frames, highest lift first."""
+    table = atlas.tables["indexer_sinks"]
+    table = table[table["block"] == block].sort_values(["lift", "selected"], ascending=False)
+    columns = ["selected", "visible", "expected", "lift"]
+    by_position = table[table["token_id"] < 0].head(top)[["position", *columns]]
+    by_token = table[table["position"] < 0].head(top)
+    by_token = by_token.assign(token=by_token["token"].map(lambda t: show_token(t, html_escape=False)))
+    return by_position.reset_index(drop=True), by_token[["token", "token_id", *columns]].reset_index(drop=True)

@@ -1,0 +1,171 @@
+"""Atlas: the experts and the sparse attention across a whole corpus. Opens the directory a
+``python -m tracing atlas`` run wrote (or its files zipped); the bundled demo atlas opens at once.
+Needs no trace and no model."""
+
+from __future__ import annotations
+
+import hashlib
+
+import streamlit as st
+
+from app import widgets
+from app.core import settings
+from app.topics import atlas as topic
+from tracing.atlas import Atlas, AtlasError
+
+SOURCES = ("bundled", "dir", "upload")
+SOURCE_LABELS = {"bundled": "Bundled demo atlas", "dir": "Atlas directory", "upload": "Zipped atlas"}
+SECTIONS = ("Expert load", "Co-activation", "One expert", "Routing bias", "Indexer")
+
+
+@st.cache_resource(max_entries=8, show_spinner=False)
+def _open_dir(path: str, stamp: tuple) -> Atlas:  # stamp: the files' sizes and times, so a rewritten atlas reloads
+    return topic.read_atlas(path)
+
+
+@st.cache_resource(max_entries=4, show_spinner=False)
+def _open_zip(digest: str, data: bytes, name: str, limit: int) -> Atlas:
+    return topic.open_zip(data, name, limit)
+
+
+def _stamp(path: str) -> tuple:
+    from pathlib import Path
+
+    folder = Path(path)
+    files = sorted(folder.glob("*.parquet")) + [folder / "summary.json"]
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+def _open() -> Atlas | None:
+    """The atlas the page's sidebar names, or None after saying why not."""
+    with st.sidebar:
+        st.markdown("#### Atlas")
+        source = st.radio("Atlas source", SOURCES, key="atlas_source", format_func=SOURCE_LABELS.get)
+        try:
+            if source == "bundled":
+                if not (topic.BUNDLED / "summary.json").is_file():
+                    st.error("The bundled demo atlas is missing (assets/demo_atlas): build it with the command in docs/atlas.md.")
+                    return None
+                return _open_dir(str(topic.BUNDLED), _stamp(str(topic.BUNDLED)))
+            if source == "dir":
+                path = st.text_input(
+                    "Atlas directory",
+                    key="atlas_dir",
+                    placeholder="atlas-out/",
+                    help="The --out DIR of `python -m tracing atlas`",
+                )
+                if not path.strip():
+                    st.caption("Type the path of an atlas directory and press Enter.")
+                    return None
+                return _open_dir(path.strip(), _stamp(path.strip()))
+            upload = st.file_uploader(
+                "Zipped atlas",
+                type=["zip"],
+                key="atlas_upload",
+                help="The atlas directory's files (summary.json and the .parquet tables) in one .zip",
+            )
+            if upload is None:
+                st.caption("Drop a .zip of an atlas directory here: it is read as data only.")
+                return None
+            data = upload.getvalue()
+            return _open_zip(hashlib.sha256(data).hexdigest(), data, upload.name, settings.max_upload_bytes())
+        except (AtlasError, OSError) as exc:
+            st.error(f"**Atlas not opened.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+            return None
+
+
+def page() -> None:
+    st.header("Atlas", anchor=False)
+    st.caption(
+        "The router and the sparse attention counted over a whole corpus, not one prompt: which experts carry the "
+        "load, which fire together, what each is for, what the correction bias changes, and how far back the "
+        "indexer reaches. Made by `python -m tracing atlas`."
+    )
+    atlas = _open()
+    if atlas is None:
+        return
+    summary = atlas.summary
+    st.markdown(
+        f":gray-badge[:material/description: {summary.get('sequences', 0):,} sequences] "
+        f":gray-badge[:material/notes: {summary.get('tokens', 0):,} tokens] "
+        f":gray-badge[:material/memory: {widgets.escape_md(str(summary.get('checkpoint', '?')))}] "
+        f":gray-badge[:material/speed: {summary.get('tokens_per_s', 0):,.0f} tokens/s]"
+    )
+    section = st.segmented_control("Show", SECTIONS, key="atlas_section", default=SECTIONS[0]) or SECTIONS[0]
+    moe = topic.blocks(atlas)
+    if section == "Expert load":
+        _expert_load(atlas)
+    elif section == "Routing bias":
+        widgets.chart(topic.bias_figure(atlas), key="atlas_bias")
+        _table(atlas, "bias_effect")
+    elif section == "Indexer":
+        _indexer(atlas)
+    elif not moe:
+        st.info("This atlas counted no MoE block.")
+    elif section == "Co-activation":
+        block = st.selectbox("Block", moe, key="atlas_block", format_func=lambda b: f"block {b}")
+        as_lift = st.toggle("As lift (observed / independent)", key="atlas_lift", value=True)
+        matrix = topic.pair_matrix(atlas, block)
+        widgets.chart(topic.coactivation_figure(matrix, int(summary.get("tokens", 0)), block, as_lift), key="atlas_pairs")
+    else:
+        _one_expert(atlas, moe)
+
+
+def _expert_load(atlas: Atlas) -> None:
+    sort = st.toggle("Sort each block's experts by load", key="atlas_sorted")
+    widgets.chart(topic.load_figure(atlas, sort), key="atlas_load")
+    table = topic.imbalance(atlas)
+    if not table.empty:
+        widgets.chart(topic.imbalance_figure(table), key="atlas_imbalance")
+    groups = topic.group_figure(atlas)
+    if groups is not None:
+        with st.expander("Group load"):
+            widgets.chart(groups, key="atlas_groups")
+    _table(atlas, "expert_load")
+
+
+def _one_expert(atlas: Atlas, moe: list[int]) -> None:
+    left, right = st.columns(2)
+    block = left.selectbox("Block", moe, key="atlas_block", format_func=lambda b: f"block {b}")
+    n = topic.pair_matrix(atlas, block).shape[0]
+    expert = right.number_input("Expert", min_value=0, max_value=n - 1, step=1, key="atlas_expert")
+    card = topic.expert_card(atlas, block, int(expert), topic.pair_matrix(atlas, block))
+    st.markdown(
+        f"**Expert {expert} of block {block}**: chosen for {card['count']:,} tokens ({card['share'] * 100:.2f}% of the "
+        f"block's selections, uniform {100 / n:.2f}%), mean gate weight {card['mean_weight']:.3f}."
+    )
+    tokens, partners = st.columns(2, gap="large")
+    with tokens:
+        st.markdown("Most specific tokens (PMI: how much more often than its load predicts)")
+        st.dataframe(card["tokens"], hide_index=True, width="stretch")
+    with partners:
+        st.markdown("Partners (tokens that chose both)")
+        st.dataframe(card["partners"], hide_index=True, width="stretch")
+
+
+def _indexer(atlas: Atlas) -> None:
+    widgets.chart(topic.distance_figure(atlas), key="atlas_distance")
+    recall = topic.recall_figure(atlas)
+    if recall is None:
+        st.caption("No query saw more keys than index_topk: every key was kept, recall is 1.")
+    else:
+        widgets.chart(recall, key="atlas_recall")
+    blocks = sorted(int(b) for b in atlas.tables["indexer_sinks"]["block"].unique())
+    if blocks:
+        block = st.selectbox("Sinks of block", blocks, key="atlas_sink_block", format_func=lambda b: f"block {b}")
+        positions, tokens = topic.sinks(atlas, block)
+        left, right = st.columns(2, gap="large")
+        left.markdown("Key positions picked from afar, against the rate at their distances (lift)")
+        left.dataframe(positions, hide_index=True, width="stretch")
+        right.markdown("Tokens picked from afar, against the rate at their distances (lift)")
+        right.dataframe(tokens, hide_index=True, width="stretch")
+
+
+def _table(atlas: Atlas, name: str) -> None:
+    with st.expander(f"The {name} table"):
+        st.dataframe(atlas.tables[name], hide_index=True, width="stretch")
+        widgets.csv_button(st, atlas.tables[name], f"{name}.csv", key=f"atlas_csv_{name}")
+
+
+if __name__ == "__main__":
+    page()
