@@ -4,7 +4,8 @@ core/     what every page stands on: settings (environment), models (the model c
           trace store and TraceKey), session (one browser session, View), errors
 topics/   one module per topic, its data shaping (no Streamlit) and its figures together: model_map,
           residual, predictions, attention, router, experts, interventions, export, cards (content)
-          and card_plots (each card's live plot); tokens, arrays and figures are shared by them
+          and card_plots (each card's live plot); tokens, arrays, figures and margins are shared by them
 views/    the pages, which only lay out widgets (app.pages lists them; no page imports another)
-main.py routes; sidebar.py, widgets.py, card_view.py and comparison.py are Streamlit pieces pages share.
+main.py routes (prefetch.py has the browser fetch plotly.js while the first run loads torch);
+sidebar.py, widgets.py, card_view.py and comparison.py are Streamlit pieces pages share.
 """

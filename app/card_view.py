@@ -3,12 +3,18 @@ facts and prose, the live plot for the chosen block and the code that ran (conte
 
 from __future__ import annotations
 
+from functools import partial
+
 import streamlit as st
 
 from .core.session import View
+from .pages import PAGES
 from .topics import card_plots, cards
 from .topics.attention import recorded_heads
-from .widgets import memo_chart, missing, page_view
+from .topics.attribution import CARD_PARTS
+from .widgets import fragment, lazy_expander, lazy_tabs, memo_chart, missing, page_view
+
+ATTRIBUTION = next(p for p in PAGES if p.name == "attribution")
 
 
 def _shape_lines(specs: tuple[cards.TensorSpec, ...], view: View) -> list[str]:
@@ -56,6 +62,9 @@ def card(card: cards.Card, view: View, *, full: bool = True, key: str = "") -> N
     with st.container(border=True):
         st.markdown(f"#### {card.title}")
         st.caption(card.summary)
+        if (part := CARD_PARTS.get(card.id)) is not None:
+            where = "" if part.startswith("the") else f" (block {view.block})"
+            st.page_link(str(ATTRIBUTION.file), label=f"Attribution: {part}{where}", icon=ATTRIBUTION.icon)
         for equation in card.equations:
             st.latex(equation)
         if full:
@@ -113,18 +122,26 @@ def live_plot(card: cards.Card, view: View, block: int | None, note: str, key: s
 
 
 def compact_cards(ids: list[str], view: View, key: str) -> None:
-    """The cards of a view page, one tab each: equations, shapes and code beside the views below."""
+    """The cards of a view page, one tab each, in an expander drawn when opened: equations, shapes and
+    code beside the views below. Closed, they cost nothing; KaTeX redraws every equation on each rerun.
+    Opening it reruns the expander alone."""
     all_cards = cards.load_cards()
-    chosen = [all_cards[i] for i in ids if i in all_cards]
-    tabs = st.tabs([c.title for c in chosen])
-    for tab, c in zip(tabs, chosen, strict=True):
-        with tab:
-            card(c, view, full=False, key=f"{key}_{c.id}")
+    chosen = {c.title: c for c in (all_cards[i] for i in ids if i in all_cards)}
+    label = f"Equations, shapes and code: {', '.join(chosen)}"
+
+    def draw() -> None:
+        box = lazy_expander(label, f"{key}_cards", icon=":material/function:")
+        if box is not None:
+            with box:
+                views = {t: partial(card, c, view, full=False, key=f"{key}_{c.id}") for t, c in chosen.items()}
+                lazy_tabs(views, f"{key}_card")
+
+    fragment(draw, "The cards")
 
 
 def topic_page(title: str, intro: str, card_ids: list[str], key: str) -> View | None:
-    """A topic page's top: its header and the topic's cards, one tab each. The view the page shows,
-    or None when nothing is traced yet (the page has said so)."""
+    """A topic page's top: its header and the topic's cards (one tab each, drawn when opened). The
+    view the page shows, or None when nothing is traced yet (the page has said so)."""
     view = page_view(title, intro)
     if view is not None:
         compact_cards(card_ids, view, key)

@@ -13,12 +13,17 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `streamlit run app/main.py` puts app/ on the path, not the repo
     sys.path.insert(0, str(REPO))
 
-import model  # noqa: E402, F401  first: the package sets OMP_WAIT_POLICY, which torch reads when it loads
-
-# isort: split
 import streamlit as st  # noqa: E402
 from streamlit.runtime.scriptrunner import get_script_run_ctx  # noqa: E402
 
+from app import prefetch  # noqa: E402
+
+if get_script_run_ctx(suppress_warning=True) is not None:
+    prefetch.plotly()  # before torch loads below: the browser fetches plotly.js meanwhile
+
+import model  # noqa: E402, F401  before torch: the package sets OMP_WAIT_POLICY, which torch reads when it loads
+
+# isort: split
 from app import sidebar, widgets  # noqa: E402
 from app.core import session  # noqa: E402
 from app.pages import PAGES  # noqa: E402

@@ -13,6 +13,7 @@ class Page(NamedTuple):
     name: str  # its module in app/views
     title: str
     icon: str
+    traced: bool = True  # shows the session's trace (False: reads something else, as the atlas)
 
     @property
     def file(self) -> Path:
@@ -32,5 +33,7 @@ PAGES = (
     Page("router", "Router & experts", ":material/hub:"),
     Page("generation", "Generation", ":material/edit_note:"),
     Page("interventions", "Interventions", ":material/science:"),
+    Page("attribution", "Attribution", ":material/call_split:"),
+    Page("atlas", "Atlas", ":material/public:", traced=False),
     Page("export", "Export", ":material/download:"),
 )

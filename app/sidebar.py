@@ -17,7 +17,7 @@ from .core import settings
 from .core.errors import BAD_INPUT
 from .core.models import OpenModel, open_model
 from .core.session import SOURCES, current_entry
-from .core.traces import Generation, TraceKey, open_upload, store, token_limit, trace_prompt
+from .core.traces import Chat, Generation, TraceKey, chat_refusal, open_upload, store, token_limit, trace_prompt
 from .widgets import escape_md
 
 SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "upload": "Trace file"}
@@ -59,6 +59,7 @@ def render(notices) -> None:
                 label_visibility="collapsed",
                 help=f"Up to {settings.max_tokens()} tokens.",
             )
+            _chat_control(om)
             _generate_control(om)
             with st.expander("Run options"):
                 st.radio(
@@ -96,14 +97,14 @@ def _model_source(source: str, notices):
     except BAD_INPUT as exc:
         notices.error(f"**Checkpoint not loaded.** {escape_md(str(exc))}", icon=":material/error:")
         return None
-    st.caption(
+    lines = [
         f"{om.label}: {om.args.n_layers} blocks, d = {om.args.dim}, {om.args.n_routed_experts} experts, "
         f"vocabulary {om.args.vocab_size:,}"
-    )
+    ]
     if om.loaded.device.type == "cpu":  # the route decides how fast (and how rounded) every bf16 product is here
-        st.caption(f":material/memory: CPU bfloat16 products: {escape_md(describe_cpu_route())}")
-    for note in om.notes:
-        st.caption(f":material/info: {note}")
+        lines.append(f":material/memory: CPU bfloat16 products: {escape_md(describe_cpu_route())}")
+    lines += [f":material/info: {note}" for note in om.notes]
+    st.caption("  \n".join(lines))  # one element: each one more costs the browser a redraw on every rerun
     return om
 
 
@@ -136,11 +137,41 @@ def _upload_source(notices) -> None:
     st.session_state["trace_key"] = entry.key
 
 
+def _chat_control(om: OpenModel | None) -> None:
+    """Frame the prompt as a user turn of DeepSeek-V3.2's conversation format, so the model answers it."""
+    refusal = None if om is None else chat_refusal(om)
+    if refusal is not None:
+        st.session_state["chat"] = False  # a setting carried from another checkpoint: this one cannot hold a chat
+    st.toggle(
+        "Chat turn",
+        key="chat",
+        disabled=om is None or refusal is not None,
+        help="The prompt as a user turn of DeepSeek-V3.2's conversation format: begin-of-sentence, User, the prompt, "
+        "Assistant, then the thinking marker. Generate tokens to watch the model answer.",
+    )
+    if st.session_state.get("chat"):
+        st.toggle(
+            "Thinking",
+            key="chat_thinking",
+            help="On: the answer starts with `<think>` and the model reasons first. Off: `</think>`, it answers at once.",
+        )
+    if refusal is not None:
+        st.caption(
+            f":material/chat_error: Chat turns need DeepSeek-V3.2's vocabulary (its User, Assistant and think markers): "
+            f"{escape_md(refusal)}."
+        )
+
+
+def chat_request() -> Chat | None:
+    """The chat framing the sidebar asks for (None: the prompt as typed)."""
+    return Chat(bool(st.session_state.get("chat_thinking"))) if st.session_state.get("chat") else None
+
+
 def _generate_control(om: OpenModel | None) -> None:
     """How many tokens the model writes after the prompt, and how it picks them."""
     limit = settings.max_tokens() if om is None else token_limit(om)
-    left, right = st.columns([1, 1])
-    left.number_input(
+    row = st.container(horizontal=True)  # one flex row: two columns would be three elements
+    row.number_input(
         "Generate",
         min_value=0,
         max_value=limit,
@@ -150,19 +181,24 @@ def _generate_control(om: OpenModel | None) -> None:
         help="New tokens the model writes after the prompt, each fed back through the decode path "
         f"(0: trace the prompt alone). Prompt and new tokens together: at most {limit}.",
     )
-    right.radio("Choice", ("greedy", "sampled"), key="gen_mode", disabled=om is None, help="Greedy: the most likely token.")
+    row.radio("Choice", ("greedy", "sampled"), key="gen_mode", disabled=om is None, help="Greedy: the most likely token.")
     if st.session_state.get("gen_mode") == "sampled":
-        temperature, top_p, seed = st.columns(3)
-        temperature.number_input("Temperature", step=0.1, format="%.2f", key="gen_temperature", help="above 0")
-        top_p.number_input("Top-p", step=0.05, format="%.2f", key="gen_top_p", help="in (0, 1]")
-        seed.number_input("Seed", min_value=0, step=1, key="gen_seed", placeholder="random", help="blank: a new draw")
+        row = st.container(horizontal=True)
+        row.number_input("Temperature", step=0.1, format="%.2f", key="gen_temperature", help="above 0")
+        row.number_input("Top-p", step=0.05, format="%.2f", key="gen_top_p", help="in (0, 1]")
+        row.number_input("Seed", min_value=0, step=1, key="gen_seed", placeholder="random", help="blank: a new draw")
 
 
 def generation_request() -> Generation | None:
     """The generation the sidebar asks for (None: the prompt alone), or InputError saying which value is wrong."""
-    tokens = st.session_state.get("gen_tokens") or 0
+    return Generation.of(*_generation_settings())
+
+
+def _generation_settings() -> tuple[int, Sampling]:
+    """The new tokens and how to choose them, as the widgets say (a sampled seed not drawn yet)."""
+    tokens = int(st.session_state.get("gen_tokens") or 0)
     if st.session_state.get("gen_mode") != "sampled":
-        return Generation.of(int(tokens))
+        return tokens, Sampling()
     temperature = st.session_state.get("gen_temperature")
     top_p = st.session_state.get("gen_top_p")
     if temperature is None or not temperature > 0:
@@ -170,7 +206,7 @@ def generation_request() -> Generation | None:
     if top_p is None or not 0 < top_p <= 1:
         raise InputError(f"Top-p must be above 0 and at most 1, not {top_p}.")
     seed = st.session_state.get("gen_seed")
-    return Generation.of(int(tokens), Sampling(float(temperature), float(top_p), None if seed is None else int(seed)))
+    return tokens, Sampling(float(temperature), float(top_p), None if seed is None else int(seed))
 
 
 def _trace(om: OpenModel, run: bool, notices) -> None:
@@ -184,7 +220,8 @@ def _trace(om: OpenModel, run: bool, notices) -> None:
     except InputError as exc:
         notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
         return
-    wanted = TraceKey.for_prompt(om, prompt, generation=generation)
+    chat = chat_request()
+    wanted = TraceKey.for_prompt(om, prompt, generation=generation, chat=chat)
     if store().get(wanted) is not None:
         st.session_state["trace_key"] = wanted
         return
@@ -195,7 +232,7 @@ def _trace(om: OpenModel, run: bool, notices) -> None:
         bar.progress(i / n, text=f"Tracing block {i} ({i + 1} of {n})…")
 
     try:
-        entry = trace_prompt(om, prompt, on_block, generation=generation)
+        entry = trace_prompt(om, prompt, on_block, generation=generation, chat=chat)
     except BAD_INPUT as exc:
         bar.empty()
         notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
@@ -216,7 +253,7 @@ def _ensure_current(om: OpenModel | None, notices) -> None:
     if key.traced:
         try:
             model = om if om is not None and key.on(om) else open_model(key.checkpoint, key.dtype)
-            trace_prompt(model, key.prompt, generation=key.generation)
+            trace_prompt(model, key.prompt, generation=key.generation, chat=key.chat)
             return
         except BAD_INPUT as exc:
             notices.error(f"**The trace could not be made again.** {escape_md(str(exc))}", icon=":material/error:")
@@ -266,8 +303,25 @@ def _block_selector() -> None:
         help="The block the cards and per-block views show",
     )
     trace = entry.trace
-    prompt_now = st.session_state.get("prompt", "")
     done = "traced" if entry.traced else "read"
     st.caption(f"Showing {trace.n_tokens} tokens from {entry.origin}, {done} in {entry.seconds:.2f} s")
-    if entry.traced and st.session_state.get("source") != "upload" and prompt_now != trace.prompt:
-        st.caption(":material/edit: The prompt changed: press **Trace** to see it.")
+    changed = _changed_since(entry.key) if entry.traced and st.session_state.get("source") != "upload" else []
+    if changed:
+        st.caption(f":material/edit: Changed since this trace: {', '.join(changed)}. Press **Trace** to see the new one.")
+
+
+def _changed_since(key: TraceKey) -> list[str]:
+    """What the sidebar asks for now that the shown trace does not have: Trace is pressed by hand
+    (a trace takes seconds on a real model), so the sidebar says the shown one is out of date."""
+    changed = []
+    if st.session_state.get("prompt", "") != key.prompt:
+        changed.append("the prompt")
+    if chat_request() != key.chat:
+        changed.append("the chat setting")
+    try:
+        same = Generation.answers(key.generation, *_generation_settings())
+    except InputError:
+        same = False
+    if not same:
+        changed.append("the generation settings")
+    return changed

@@ -1,10 +1,11 @@
-"""Streamlit pieces the pages share: the page header, charts drawn once per trace, downloads, the
-notices for what is missing, and the guard that keeps an unforeseen error to one line."""
+"""Streamlit pieces the pages share: the page header, charts drawn once per trace, tabs and expanders
+drawn only when open, downloads, the notices for what is missing, and the guard that keeps an
+unforeseen error to one line."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -54,7 +55,9 @@ def csv_button(where, frame: pd.DataFrame, file_name: str, key: str) -> None:
 
 
 def chart(fig: go.Figure, key: str | None = None) -> None:
-    st.plotly_chart(fig, width="stretch", config=CHART_CONFIG, key=key, theme="streamlit")
+    # theme=None: the figures bring their look and their margins (topics.figures, topics.margins);
+    # Streamlit's theme would restyle each one in the browser and let its margins grow in a second draw
+    st.plotly_chart(fig, width="stretch", config=CHART_CONFIG, key=key, theme=None)
 
 
 def memo_chart(view: View, key: str, build: Callable[[], go.Figure | None], *args: Hashable) -> go.Figure | None:
@@ -64,6 +67,34 @@ def memo_chart(view: View, key: str, build: Callable[[], go.Figure | None], *arg
     if fig is not None:
         chart(fig, key=key)
     return fig
+
+
+def lazy_tabs(views: Mapping[str, Callable[[], None]], key: str) -> None:
+    """Tabs, one per view, of which only the open one is drawn. st.tabs sends every tab's elements and
+    the browser draws a hidden tab's plots as it draws a shown one's (a tenth of a second each or more):
+    here opening a tab reruns the tabs alone (a fragment: not the page, not the sidebar), which draw
+    that tab's view."""
+    fragment(lambda: _open_tab(views, key), "This view")
+
+
+def _open_tab(views: Mapping[str, Callable[[], None]], key: str) -> None:
+    labels = list(views)
+    tabs = st.tabs(labels, key=key, on_change="rerun")
+    label, tab = next(((label, tab) for label, tab in zip(labels, tabs, strict=True) if tab.open), (labels[0], tabs[0]))
+    with tab:
+        views[label]()
+
+
+def fragment(draw: Callable[[], None], what: str) -> None:
+    """Draw a part of the page that its own widgets rerun alone (st.fragment), guarded as the page is:
+    its reruns do not pass through the page's guard."""
+    st.fragment(lambda: guarded(draw, what))()
+
+
+def lazy_expander(label: str, key: str, icon: str | None = None):
+    """An expander whose content is drawn only while it is open: the container, or None while closed."""
+    box = st.expander(label, key=key, icon=icon, on_change="rerun")
+    return box if box.open else None
 
 
 def page_header(title: str, intro: str, view: View | None) -> None:

@@ -1,11 +1,15 @@
-"""Benchmark the Streamlit app: cold start to the first complete render, re-tracing a new 64-token
-prompt and re-rendering, switching block or page without re-tracing. Prints one JSON object.
+"""Benchmark the Streamlit app on the bundled demo: cold start, re-tracing a new 64-token prompt,
+switching page or block without re-tracing. Prints one JSON object.
 
-    python scripts/bench_app.py                   # AppTest (the app's script runs as in the server)
-    python scripts/bench_app.py --browser         # also the real server + Debian's chromium
+    python scripts/bench_app.py                   # AppTest: the app's script alone, as in the server
+    python scripts/bench_app.py --browser         # also `streamlit run` in Debian's headless chromium
 
-Targets (issue 5, a 2-core machine, the bundled demo): cold start <= 8 s, re-trace <= 1.5 s,
-switch <= 0.3 s. Uses assets/demo when it exists, else a tiny stand-in checkpoint (reported).
+Targets (issue 16, in the browser, medians): a page or block switch at most 0.3 s from the click to
+the last plot drawn, a re-trace of a 64-token prompt at most 0.5 s, cold start (launching `streamlit
+run` to the first plot drawn) at most 5 s. The browser times every action in the page's own clock,
+from the click to the last change in the main area (plotly drawing a figure changes its SVG); the
+AppTest figures are the script's share. Uses assets/demo when it exists, else a tiny stand-in
+checkpoint (reported).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ sys.path.insert(0, str(REPO))
 from app import pages as app_pages  # noqa: E402
 
 APP = REPO / "app" / "main.py"
-PAGES = [p.name for p in app_pages.PAGES if p.name != "interventions"]
-TARGETS = {"cold_start_s": 8.0, "retrace_64_tokens_s": 1.5, "switch_s": 0.3}
+# the pages that draw the session's trace without running the model (Interventions and Attribution
+# trace on a button or on arrival, the Atlas reads a corpus, Export draws no plot)
+VIEWS = [p for p in app_pages.PAGES if p.name in ("model_map", "anatomy", "residual", "attention", "router", "generation")]
+TARGETS = {"cold_start_s": 5.0, "retrace_64_tokens_s": 0.5, "switch_page_s": 0.3, "switch_block_s": 0.3}
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
     "of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -49,6 +55,25 @@ t1 = time.perf_counter()
 print(json.dumps({"seconds": t1 - t0, "exceptions": [str(e.value) for e in at.exception],
                   "errors": [str(e.value) for e in at.error], "plots": len(at.get("plotly_chart"))}))
 """
+
+# Runs in the page before the app loads: the time of every click and of every change in the main area
+# (plotly drawing a figure changes its SVG), in the page's own clock.
+WATCH = """
+window.__bench = {clicks: [], lastChange: 0, firstPlot: 0};
+new MutationObserver(records => {
+  for (const r of records) {
+    const el = r.target.nodeType === 1 ? r.target : r.target.parentElement;
+    if (el && el.closest && el.closest('[data-testid="stMain"]')) {
+      window.__bench.lastChange = performance.now();
+      if (!window.__bench.firstPlot && document.querySelector('[data-testid="stMain"] .js-plotly-plot .main-svg'))
+        window.__bench.firstPlot = window.__bench.lastChange;
+      return;
+    }
+  }
+}).observe(document, {subtree: true, childList: true, attributes: true, characterData: true});
+document.addEventListener('click', () => window.__bench.clicks.push(performance.now()), true);
+"""
+QUIET_MS = 500  # drawn: the script has finished and nothing in the main area changed for this long
 
 
 def prompts_of(n_tokens: int, count: int, checkpoint: str) -> list[str]:
@@ -95,6 +120,7 @@ def timed(action) -> float:
 
 
 def apptest(checkpoint: str, repeat: int) -> dict:
+    """The script's share: each rerun as the server runs it, without the websocket and the browser."""
     from streamlit.testing.v1 import AppTest
 
     at = AppTest.from_file(str(APP), default_timeout=300).run()
@@ -125,16 +151,16 @@ def apptest(checkpoint: str, repeat: int) -> dict:
         at.switch_page("views/router.py").run()
         out["retrace_router"].append(retrace(prompts[2 * r + 1]))
         n_layers = n_layers or int(max(at.selectbox(key="block").options, key=lambda o: int(o.split()[0])).split()[0]) + 1
-        for page in PAGES:  # first visits after a new trace: every figure is built
-            out["switch_page_first"].append(timed(lambda page=page: at.switch_page(f"views/{page}.py").run()))
+        for page in VIEWS:  # first visits after a new trace: every figure is built
+            out["switch_page_first"].append(timed(lambda page=page: at.switch_page(page.path).run()))
             check()
             for block in (n_layers - 1, 0):  # a block not seen on this page yet, then back
                 out["switch_block_first" if block else "switch_block_again"].append(
                     timed(lambda block=block: at.selectbox(key="block").set_value(block).run())
                 )
                 check()
-        for page in PAGES:  # the same pages again: figures come from the trace's memo
-            out["switch_page_again"].append(timed(lambda page=page: at.switch_page(f"views/{page}.py").run()))
+        for page in VIEWS:  # the same pages again: figures come from the trace's memo
+            out["switch_page_again"].append(timed(lambda page=page: at.switch_page(page.path).run()))
             check()
     return {key: summary(values) for key, values in out.items()}
 
@@ -147,12 +173,36 @@ def summary(values: list[float]) -> dict:
     }
 
 
+def drawn(page, since: float) -> float:
+    """Seconds from the last click after ``since`` (the page's clock, ms) to the last change in the
+    main area, once the script has finished and the page has been still for QUIET_MS."""
+    page.wait_for_function(
+        """([quiet]) => document.querySelector('[data-testid="stApp"]').getAttribute('data-test-script-state')
+             === 'notRunning' && performance.now() - window.__bench.lastChange > quiet""",
+        arg=[QUIET_MS],
+        polling=50,
+    )
+    clicks, last = page.evaluate("[window.__bench.clicks, window.__bench.lastChange]")
+    return max(0.0, last - max(c for c in clicks if c >= since)) / 1000
+
+
+def choose_block(page, block: int) -> None:
+    # the selectbox is a combobox: a click only focuses its input, the arrow key opens the list
+    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').last.get_by_role("combobox").click()
+    page.keyboard.press("ArrowDown")
+    page.get_by_role("option").filter(has_text=f"{block} · ").first.click()
+
+
 def browser(checkpoint: str, env: dict, repeat: int) -> dict:
-    """The real thing: `streamlit run` and chromium; times include the browser drawing the plots."""
+    """The real thing: `streamlit run` and chromium. Every switch is timed from the click to the last
+    plot drawn (the last change in the page where no plot changes), in the browser's clock."""
     import socket
     import urllib.request
 
     from playwright.sync_api import sync_playwright
+
+    from tests.chromium import ARGS as CHROMIUM_ARGS
+    from tests.chromium import CHROMIUM
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,23 +211,13 @@ def browser(checkpoint: str, env: dict, repeat: int) -> dict:
     log = tempfile.NamedTemporaryFile(prefix="bench-streamlit-", suffix=".log", delete=False)
     prompts = prompts_of(64, repeat, checkpoint)
     out: dict[str, list[float]] = {"retrace": [], "switch_page": [], "switch_block": []}
+    by_page: dict[str, list[float]] = {}
     with sync_playwright() as p:
-        chromium = p.chromium.launch(
-            executable_path="/usr/bin/chromium",
-            args=[
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ],
-        )
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = chromium.new_page(viewport={"width": 1440, "height": 1000})
+        page.add_init_script(WATCH)
         page.set_default_timeout(180_000)
-        started = time.perf_counter()
+        started, launched = time.perf_counter(), time.time()
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless=true", f"--server.port={port}",
              "--server.address=127.0.0.1", "--browser.gatherUsageStats=false", "--server.fileWatcherType=none"],
@@ -194,48 +234,71 @@ def browser(checkpoint: str, env: dict, repeat: int) -> dict:
                     time.sleep(0.1)
             server_up = time.perf_counter() - started
             page.goto(url)
-            page.locator('[data-testid="stMain"] .js-plotly-plot').first.wait_for()
-            cold = time.perf_counter() - started
             main = page.locator('[data-testid="stMain"]')
+            page.wait_for_function(
+                "([quiet]) => window.__bench.firstPlot && performance.now() - window.__bench.lastChange > quiet",
+                arg=[QUIET_MS],
+                polling=50,
+            )
+            # the page's clock, in ms since its time origin; time.time() shares the machine's epoch
+            origin, first, last = page.evaluate("[performance.timeOrigin, window.__bench.firstPlot, window.__bench.lastChange]")
+            cold, cold_drawn = ((origin + t) / 1000 - launched for t in (first, last))
+
+            def measure(action, ready) -> float:
+                since = page.evaluate("performance.now()")
+                action()
+                ready()
+                return drawn(page, since)
+
+            sidebar = page.locator('[data-testid="stSidebar"]')
             for prompt in prompts:
-                page.locator('[data-testid="stSidebar"] textarea').fill(prompt)
-                t = time.perf_counter()
-                page.get_by_role("button", name="Trace", exact=True).click()
-                main.get_by_text(f"“{prompt[:60]}").wait_for()  # the page header names the traced prompt
-                main.locator(".js-plotly-plot").first.wait_for()
-                out["retrace"].append(time.perf_counter() - t)
-                for name, title in (
-                    ("Router & experts", "Router & experts"),
-                    ("Residual stream", "Residual stream"),
-                    ("Model map", "Model map"),
-                ):
-                    t = time.perf_counter()
-                    page.get_by_role("link", name=name).click()
-                    main.get_by_role("heading", name=title).wait_for()
-                    main.locator(".js-plotly-plot").first.wait_for()
-                    out["switch_page"].append(time.perf_counter() - t)
-                for block in (1, 0):
-                    t = time.perf_counter()
-                    # the selectbox is a combobox: a click only focuses its input, the arrow key opens the list
-                    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').last.get_by_role("combobox").click()
-                    page.keyboard.press("ArrowDown")
-                    page.get_by_role("option").filter(has_text=f"{block} · ").first.click()
-                    main.get_by_text(f"block {block} · ").first.wait_for()
-                    out["switch_block"].append(time.perf_counter() - t)
+                sidebar.locator("textarea").first.fill(prompt)
+                out["retrace"].append(
+                    measure(
+                        lambda: page.get_by_role("button", name="Trace", exact=True).click(),
+                        lambda prompt=prompt: main.get_by_text(f"“{prompt[:60]}").wait_for(),  # the header names it
+                    )
+                )
+                for view in [*VIEWS[1:], VIEWS[0]]:
+                    seconds = measure(
+                        lambda view=view: sidebar.get_by_role("link", name=view.title, exact=True).click(),
+                        lambda view=view: main.get_by_role("heading", name=view.title).wait_for(),
+                    )
+                    out["switch_page"].append(seconds)
+                    by_page.setdefault(view.title, []).append(seconds)
+                    for block in (1, 0):
+                        out["switch_block"].append(
+                            measure(
+                                lambda block=block: choose_block(page, block),
+                                lambda block=block: main.get_by_text(f"block {block} · ").first.wait_for(),
+                            )
+                        )
         finally:
             proc.terminate()
             proc.wait(timeout=20)
             chromium.close()
     result = {key: summary(values) for key, values in out.items()}
-    result.update(server_up_s=round(server_up, 3), cold_start_s=round(cold, 3))
+    result["switch_page_median_by_page_s"] = {title: summary(values)["median_s"] for title, values in by_page.items()}
+    result.update(server_up_s=round(server_up, 3), cold_start_s=round(cold, 3), cold_all_drawn_s=round(cold_drawn, 3))
     return result
+
+
+def verdict(browser_result: dict) -> dict:
+    """Each target: [measured, met] from the browser's figures."""
+    measured = {
+        "cold_start_s": browser_result["cold_start_s"],
+        "retrace_64_tokens_s": browser_result["retrace"]["median_s"],
+        "switch_page_s": browser_result["switch_page"]["median_s"],
+        "switch_block_s": browser_result["switch_block"]["median_s"],
+    }
+    return {key: [value, value <= TARGETS[key]] for key, value in measured.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None, help="demo (default when present) or a checkpoint directory")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--browser", action="store_true", help="also measure the real server in chromium")
+    parser.add_argument("--browser", action="store_true", help="also measure the real server in chromium (the targets)")
     args = parser.parse_args(argv)
 
     from tests.devcheckpoint import demo_available, demo_or_dev_checkpoint
@@ -257,18 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     report["apptest"] = apptest(checkpoint, args.repeat)
     if args.browser:
         report["browser"] = browser(checkpoint, env, args.repeat)
-    a = report["apptest"]
-    report["verdict"] = {
-        "cold_start_s": [report["cold_start"]["in_process_s"], report["cold_start"]["in_process_s"] <= TARGETS["cold_start_s"]],
-        "retrace_64_tokens_s": [
-            max(a["retrace_model_map"]["median_s"], a["retrace_router"]["median_s"]),
-            max(a["retrace_model_map"]["median_s"], a["retrace_router"]["median_s"]) <= TARGETS["retrace_64_tokens_s"],
-        ],
-        "switch_s": [
-            max(a["switch_page_first"]["median_s"], a["switch_block_first"]["median_s"]),
-            max(a["switch_page_first"]["median_s"], a["switch_block_first"]["median_s"]) <= TARGETS["switch_s"],
-        ],
-    }
+        report["verdict"] = verdict(report["browser"])
+    else:
+        report["verdict"] = "the targets are browser figures: run with --browser"
+    report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0
 

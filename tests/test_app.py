@@ -23,7 +23,9 @@ from model.ops import describe_cpu_route
 from tracing.tables import to_csv_bytes
 
 APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
-PAGES = [p.name for p in pages.PAGES if p.name != "interventions"]  # that one: tests/test_app_interventions.py
+PAGES = [
+    p.name for p in pages.PAGES if p.traced and p.name not in ("interventions", "attribution")
+]  # those two run the model again: tests/test_app_interventions.py, test_app_attribution.py; the atlas: test_app_atlas.py
 REAL = ModelArgs.from_file(Path(__file__).resolve().parents[1] / "assets" / "configs" / "config_671B_hf.json")
 TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
@@ -45,6 +47,22 @@ def messages(elements) -> str:
     return " ".join(str(e.value) for e in elements).replace("\\", "")
 
 
+def open_cards(at: AppTest, page: str) -> AppTest:
+    """Open the page's component cards: a topic page keeps them in an expander drawn when opened, the
+    model map in its last tab; the anatomy page shows its card as it is."""
+    if page == "model_map":
+        at.session_state["model_map_tab"] = "The transformer block"
+    elif page != "anatomy":
+        at.session_state[f"{page}_cards"] = True
+    return at.run()
+
+
+def open_tab(at: AppTest, key: str, label: str) -> AppTest:
+    """Open a page's tab (widgets.lazy_tabs draws only the open one)."""
+    at.session_state[key] = label
+    return at.run()
+
+
 def shown_entry(at: AppTest) -> Entry:
     entry = store().get(at.session_state["trace_key"])
     assert entry is not None
@@ -56,8 +74,20 @@ def test_first_load_traces_the_default_prompt(app):
     assert not app.error, messages(app.error)
     entry = shown_entry(app)
     assert entry.trace.prompt == settings.DEFAULT_PROMPT and entry.trace.n_tokens > 10
-    assert app.latex and plotly_charts(app)
+    assert plotly_charts(app) and not app.latex  # the model map's plots; its block card waits in a tab
     assert any("Showing" in c.value and "tokens" in c.value for c in app.caption)
+    assert open_cards(app, "model_map").latex and not app.exception
+
+
+def test_the_first_element_fetches_the_plotting_code(app):
+    """main.py sends, before it loads torch, a script asking the browser for Streamlit's plotly chart
+    module; the file it names is in the installed Streamlit, so the chart finds it loaded."""
+    from app import prefetch
+
+    name = prefetch.plotly_chunk()
+    assert name is not None and (prefetch.CHUNKS / name).is_file(), "this Streamlit has no PlotlyChart module"
+    first = app.get("html")[0].proto
+    assert f'"./{name}"' in first.body and first.unsafe_allow_javascript
 
 
 def test_sidebar_names_the_cpu_bfloat16_route(app):
@@ -70,9 +100,56 @@ def test_every_page_renders_cards_and_plots(app, page):
     assert not app.exception, [e.value for e in app.exception]
     assert not app.error, messages(app.error)
     if page != "export":
+        assert len(plotly_charts(app)) >= 1, "the page shows no plot"
+        open_cards(app, page)
+        assert not app.exception, [e.value for e in app.exception]
         assert len(app.latex) >= 1, "the page shows no card equation"
         assert len(plotly_charts(app)) >= 1, "the page shows no plot"
         assert app.code, "the page shows no code excerpt"
+
+
+# the tabs of the pages that keep their views in tabs, each with words of its figure's title (None: a table)
+TABS = {
+    "model_map": ("model_map_tab", {"Your prompt": "Next token", "Parameters per component": "", "Config": None}),
+    "residual": (
+        "residual_tab",
+        {"Stream norm": "norm |x|", "Turn per block": "Cosine", "Update sizes": "update sizes", "Logit lens": "Logit lens"},
+    ),
+    "attention": (
+        "attention_tab",
+        {
+            "Index scores": "index scores I",
+            "Attention": "attention probabilities",
+            "Indexer recall": "recall",
+            "One query": "query",
+        },
+    ),
+    "router": (
+        "router_tab",
+        {
+            "Scores": "router scores",
+            "Groups and weights": "group scores",
+            "Correction bias": "correction bias",
+            "Routed and shared": "routed vs shared",
+            "Load across blocks": "Expert load",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("page", TABS)
+def test_every_tab_draws_its_view(app, page):
+    """The tabs draw only the open view: each one, opened, draws its figure (none is lost behind them)."""
+    app.switch_page(f"views/{page}.py").run()
+    key, views = TABS[page]
+    for label, words in views.items():
+        open_tab(app, key, label)
+        assert not app.exception and not app.error, (label, [e.value for e in app.exception], messages(app.error))
+        titles = [json.loads(c.proto.spec)["layout"].get("title", {}).get("text", "") for c in plotly_charts(app)]
+        if words is None:
+            assert app.dataframe, label
+        else:
+            assert titles and any(words in t for t in titles), (label, titles)
 
 
 def test_every_card_on_the_anatomy_page(app):
@@ -232,7 +309,7 @@ def test_uploaded_trace_is_viewable_with_no_model(app, tmp_path, monkeypatch):
         at.switch_page(f"views/{page}.py").run()
         assert not at.exception, (page, [e.value for e in at.exception])
         if page != "export":
-            assert at.latex and plotly_charts(at), page
+            assert plotly_charts(at) and open_cards(at, page).latex, page
 
 
 # --- cards as data ------------------------------------------------------------------------------------------
@@ -337,4 +414,5 @@ def test_an_uploaded_trace_of_the_real_width_renders(app):
         assert not app.exception, (page, [e.value for e in app.exception])
     app.switch_page("views/router.py").run()
     app.selectbox(key="block").set_value(3).run()
+    open_tab(app, "router_tab", "Correction bias")
     assert not app.exception and "matches the trace" in " ".join(str(m.value) for m in app.get("metric"))

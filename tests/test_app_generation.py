@@ -14,7 +14,7 @@ from app import pages
 from app.core import settings
 from app.core.models import open_model
 from app.core.traces import describe_interventions, encode, store
-from tests.test_app import APP, TIMEOUT, messages, shown_entry
+from tests.test_app import APP, TIMEOUT, messages, open_cards, open_tab, shown_entry
 from tests.test_app_interventions import chart_titles
 from tracing.interventions import from_spec
 from tracing.runner import trace_tokens
@@ -47,13 +47,21 @@ def generate(at: AppTest, n: int, prompt: str = PROMPT, sampled: dict | None = N
     return checked(at.button(key="run").click().run())
 
 
+def page_html(at: AppTest) -> list[str]:
+    """The bodies of the page's st.html elements (not main.py's script that fetches plotly.js)."""
+    return [h.proto.body for h in at.get("html") if "data-prefetch" not in h.proto.body]
+
+
 def test_a_prompt_only_trace_says_how_to_generate_and_shows_its_steps(app):
     assert not app.error, messages(app.error)
     assert "set **Generate** in the sidebar" in messages(app.info)
-    frame = app.dataframe[0].value
+    assert not app.dataframe  # the table is drawn when its expander opens
+    app.session_state["generation_steps_table"] = True
+    frame = app.run().dataframe[0].value
     assert list(frame.columns[:5]) == ["position", "phase", "generated", "token_id", "token"]
     assert not frame["generated"].any() and len(frame) == shown_entry(app).trace.n_tokens
-    assert app.get("plotly_chart") and app.latex and app.code  # the cards and the probability plot
+    assert app.get("plotly_chart")  # the probability plot
+    assert open_cards(app, "generation").latex and app.code
 
 
 def test_greedy_generation_shows_the_text_and_each_step(app):
@@ -69,7 +77,7 @@ def test_greedy_generation_shows_the_text_and_each_step(app):
     assert start == len(encode(open_model(key.checkpoint, key.dtype), PROMPT)) and 1 <= n <= 6
     assert trace.n_tokens == start + n and trace.prompt == PROMPT
 
-    text = app.get("html")[0].proto.body
+    text = page_html(app)[0]
     assert text.count('class="generated-token"') == n and "hsl(" in text
     steps = steps_table(trace)
     written = steps[steps["generated"]]
@@ -77,16 +85,27 @@ def test_greedy_generation_shows_the_text_and_each_step(app):
 
     slider = app.select_slider(key="gen_step")
     assert slider.value == start and len(slider.options) == n
-    titles = chart_titles(app)
-    for part in ("ten most likely", "Experts chosen at position", "indexer scores over the cache", "Logit lens at position"):
-        assert any(part in t for t in titles), (part, titles)
-    assert any("as the text grows" in t for t in titles) and any("how far back" in t for t in titles)
     assert f"Position **{start}**" in messages(app.markdown)
+    views = {
+        "Alternatives": ["ten most likely"],
+        "Experts": ["Experts chosen at position"],
+        "Indexer picks": ["indexer scores over the cache"],
+        "Logit lens": ["Logit lens at position"],
+        "As the text grows": ["as the text grows", "how far back"],
+        "Probabilities": ["How likely each token was"],
+    }
+    for label, parts in views.items():  # each tab draws its own view, the step's ones under the step chooser
+        titles = chart_titles(open_tab(app, "generation_tab", label))
+        assert not app.exception and all(any(part in t for t in titles) for part in parts), (label, titles)
+    assert "generated" in open_tab(app, "generation_tab", "Every step").dataframe[0].value
 
     last = start + n - 1
-    slider.set_value(last).run()
+    open_tab(app, "generation_tab", "Logit lens")
+    app.select_slider(key="gen_step").set_value(last).run()
     assert not app.exception and f"Position **{last}**" in messages(app.markdown)
     assert any(f"Logit lens at position {last - 1}" in t for t in chart_titles(app))
+    open_tab(app, "generation_tab", "Indexer picks")
+    assert app.select_slider(key="gen_step").value == last  # the chosen step holds across the step's views
     for block in range(trace.config.n_layers):
         app.selectbox(key="block").set_value(block).run()
         assert not app.exception, (block, [e.value for e in app.exception])
@@ -157,7 +176,7 @@ def test_interventions_generate_under_both_settings_and_show_where_the_texts_par
     assert not app.exception, [e.value for e in app.exception]
     assert not app.error, messages(app.error)
     assert "Where the texts part" in [str(h.value) for h in app.subheader]
-    texts = [h.proto.body for h in app.get("html")]
+    texts = page_html(app)
     assert len(texts) == 2 and all('class="generated-token"' in t for t in texts)
 
     spec = app.session_state["iv_result"]["spec"]

@@ -31,6 +31,8 @@ _DEFAULTS: dict[str, Any] = {
     "gen_temperature": 0.8,
     "gen_top_p": 0.95,
     "gen_seed": None,  # None: a new draw each time
+    "chat": False,  # the prompt framed as a chat turn
+    "chat_thinking": False,  # ... with the answer starting in thinking mode
 }
 # widget values Streamlit would forget while their widget is not drawn (another page, another source)
 _KEEP = (
@@ -48,6 +50,17 @@ _KEEP = (
     "gen_top_p",
     "gen_seed",
     "gen_step",
+    "chat",
+    "chat_thinking",
+    "model_map_tab",  # the tab each page has open
+    "residual_tab",
+    "attention_tab",
+    "router_tab",
+    "generation_tab",
+    "attr_position",
+    "attr_target",
+    "attr_contrast",
+    "attr_threshold",
 )
 
 

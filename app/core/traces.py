@@ -18,12 +18,15 @@ import pandas as pd
 import streamlit as st
 
 from model.config import ModelArgs
+from tracing.attribution import AttributionRequest
+from tracing.chat import encode_chat
 from tracing.errors import InputError
 from tracing.interventions import Intervention
 from tracing.runner import check_token_ids, trace_tokens
 from tracing.sampling import Sampling
 from tracing.sites import site_shapes
 from tracing.tables import BUILDERS
+from tracing.tokenizer import TokenizerError
 from tracing.trace import Trace, TraceError
 
 from . import settings
@@ -56,6 +59,30 @@ class Generation:
         sampling = sampling or Sampling()
         return cls(tokens, Sampling() if sampling.greedy else sampling.seeded())
 
+    @staticmethod
+    def answers(shown: Generation | None, tokens: int, sampling: Sampling) -> bool:
+        """Whether a trace written with ``shown`` is what these settings ask for. A sampled request
+        without a seed takes any seed: each Trace draws a new one."""
+        if shown is None or tokens <= 0:
+            return shown is None and tokens <= 0
+        if shown.tokens != tokens or shown.sampling.greedy != sampling.greedy:
+            return False
+        s = shown.sampling
+        return sampling.greedy or (
+            (s.temperature, s.top_p) == (sampling.temperature, sampling.top_p) and sampling.seed in (None, s.seed)
+        )
+
+
+@dataclass(frozen=True)
+class Chat:
+    """The prompt as a user turn of DeepSeek-V3.2's conversation format (tracing.chat), so the model
+    answers it; in thinking mode the answer starts with its reasoning."""
+
+    thinking: bool = False
+
+    def describe(self) -> str:
+        return "chat turn, thinking" if self.thinking else "chat turn"
+
 
 @dataclass(frozen=True)
 class TraceKey:
@@ -68,10 +95,18 @@ class TraceKey:
     variant: Hashable = None  # model: what changed the run (patches, interventions); None: a plain trace
     sha256: str = ""  # upload: the file's digest
     generation: Generation | None = None  # model: the tokens written after the prompt; None: the prompt alone
+    chat: Chat | None = None  # model: the prompt framed as a chat turn; None: the text as typed
 
     @classmethod
-    def for_prompt(cls, om: OpenModel, prompt: str, variant: Hashable = None, generation: Generation | None = None) -> TraceKey:
-        return cls("model", str(om.path), om.dtype, prompt, variant, generation=generation)
+    def for_prompt(
+        cls,
+        om: OpenModel,
+        prompt: str,
+        variant: Hashable = None,
+        generation: Generation | None = None,
+        chat: Chat | None = None,
+    ) -> TraceKey:
+        return cls("model", str(om.path), om.dtype, prompt, variant, generation=generation, chat=chat)
 
     @classmethod
     def for_upload(cls, data: bytes) -> TraceKey:
@@ -97,6 +132,8 @@ class TraceKey:
             values = (*values, self.variant)
         if self.generation is not None:
             values = (*values, self.generation)
+        if self.chat is not None:
+            values = (*values, self.chat)
         return hashlib.sha256(repr(values).encode()).hexdigest()[:8]
 
 
@@ -183,12 +220,30 @@ def token_limit(om: OpenModel) -> int:
     return min(settings.max_tokens(), om.args.max_seq_len)
 
 
-def encode(om: OpenModel, prompt: str) -> list[int]:
-    """Token ids of the prompt, or InputError saying what is wrong with it."""
+def chat_refusal(om: OpenModel) -> str | None:
+    """Why this checkpoint cannot frame a chat turn (its vocabulary lacks the markers), or None."""
+    if om.loaded.tokenizer is None:
+        return "this checkpoint has no tokenizer.json"
+    try:
+        encode_chat(om.loaded.tokenizer, "")
+    except TokenizerError as exc:
+        return str(exc).partition(":")[0]  # "this tokenizer has no <｜User｜> token"
+    return None
+
+
+def encode(om: OpenModel, prompt: str, chat: Chat | None = None) -> list[int]:
+    """Token ids of the prompt (as a chat turn when ``chat``), or InputError saying what is wrong with it."""
     if not prompt.strip():
         raise InputError("The prompt is empty: type some text, then press Trace.")
     tokenizer = om.loaded.tokenizer
-    if tokenizer is None:
+    if chat is not None:
+        refusal = chat_refusal(om)
+        if refusal is not None:
+            raise InputError(
+                f"A chat turn needs DeepSeek-V3.2's chat vocabulary, and {refusal}: turn Chat off to trace the text as typed."
+            )
+        ids = encode_chat(tokenizer, prompt, chat.thinking)
+    elif tokenizer is None:
         try:
             ids = [int(part) for part in prompt.replace(",", " ").split()]
         except ValueError:
@@ -214,6 +269,9 @@ def trace_prompt(
     variant: Hashable = None,
     interventions: Sequence[Intervention] = (),
     generation: Generation | None = None,
+    attribution: AttributionRequest | None = None,
+    record: Sequence[str] | None = None,
+    chat: Chat | None = None,
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
@@ -223,7 +281,9 @@ def trace_prompt(
     (tracing.interventions: ablations, no correction bias, another index_topk) are named in the key
     by :func:`describe_interventions` on their own. ``generation``: the tokens to write after the
     prompt, through the decode path, with the interventions applied at every step; named in the key
-    too. InputError says what is wrong with any of them.
+    too; ``chat`` frames the prompt as a chat turn, also named in the key. ``attribution``
+    (tracing.attribution) and ``record`` (site patterns instead of the app's usual ones) add an
+    analysis to the run; name them in ``variant``. InputError says what is wrong with any of them.
     """
     if patches and variant is None:
         raise ValueError("a patched trace needs a variant to tell it from the baseline in the store")
@@ -233,11 +293,11 @@ def trace_prompt(
         described = describe_interventions(interventions)
         variant = described if variant is None else (variant, described)
         named.append("; ".join(described))
-    key = TraceKey.for_prompt(om, prompt, variant, generation)
+    key = TraceKey.for_prompt(om, prompt, variant, generation, chat)
     entry = store().get(key)
     if entry is not None:
         return entry
-    ids = encode(om, prompt)
+    ids = encode(om, prompt, chat)
     new_tokens = generation.tokens if generation is not None else 0
     limit = token_limit(om)
     if len(ids) + new_tokens > limit:
@@ -251,7 +311,7 @@ def trace_prompt(
         om.loaded.model,
         ids,
         prompt=prompt,
-        record=record_patterns(om.args, len(ids) + new_tokens),
+        record=list(record) if record is not None else record_patterns(om.args, len(ids) + new_tokens),
         patches=patches,
         interventions=interventions,
         on_block=on_block,
@@ -260,9 +320,12 @@ def trace_prompt(
         token_strings=tokenizer.token_strings if tokenizer is not None else None,
         generate=new_tokens,
         sampling=generation.sampling if generation is not None else None,
+        attribution=attribution,
     )
     if generation is not None:
         named.append(describe_generation(generation))
+    if chat is not None:
+        named.insert(0, chat.describe())
     origin = " · ".join([om.label, om.dtype, *named])
     return store().put(Entry(key, trace, origin, time.perf_counter() - started))
 

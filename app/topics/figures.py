@@ -11,6 +11,8 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
+from .margins import margins
+
 SEQUENTIAL = "Viridis"
 DIVERGING = "RdBu_r"
 ATTN = "Blues"
@@ -24,6 +26,22 @@ COLORS = {
     "marker": "#FF4B4B",
 }
 TICK_LIMIT = 40  # up to this many positions, axes show the tokens themselves
+# The figures' own look, drawn as they are (app.widgets.chart passes theme=None): Streamlit's theme
+# would add 3.7 KB of template to each figure, merge more into it in the browser and turn on plotly's
+# automargin, which draws a figure twice when a margin must grow (topics.margins sizes them instead).
+# White, like a printed figure, so it reads the same in Streamlit's light and dark modes.
+INK, GRID = "#31333F", "#E6EAF1"
+TEMPLATE = {
+    "layout": {
+        "font": {"family": '"Source Sans", "Source Sans Pro", sans-serif', "size": 12, "color": INK},
+        "paper_bgcolor": "white",
+        "plot_bgcolor": "white",
+        "colorway": ["#0068C9", "#83C9FF", "#FF2B2B", "#FFABAB", "#29B09D", "#7DEFA1", "#FF8700", "#FFD16A", "#6D3FC0"],
+        "xaxis": {"gridcolor": GRID, "zerolinecolor": GRID, "linecolor": GRID, "automargin": True},
+        "yaxis": {"gridcolor": GRID, "zerolinecolor": GRID, "linecolor": GRID, "automargin": True},
+        "hoverlabel": {"bgcolor": "white", "bordercolor": GRID, "font": {"color": INK}},
+    }
+}
 _LEGENDS = {
     "top": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "left", "x": 0},
     "right": {"orientation": "v", "yanchor": "top", "y": 1, "xanchor": "left", "x": 1.02},
@@ -33,8 +51,9 @@ _LEGENDS = {
 def figure(traces: list[dict], title: str = "", height: int = 360, legend: str = "top", **layout: Any) -> go.Figure:
     """The shared look: title at the top left, the legend between it and the plot (or at the right)."""
     base: dict[str, Any] = {
+        "template": TEMPLATE,
         "height": height,
-        "margin": {"l": 10, "r": 10, "t": 72 if title else 30, "b": 10},
+        "margin": {"t": 72 if title else 30},  # the sides: topics.margins, from the labels
         "hoverlabel": {"font": {"family": "monospace"}},
         "legend": _LEGENDS[legend],
     }
@@ -50,7 +69,7 @@ def figure(traces: list[dict], title: str = "", height: int = 360, legend: str =
             "pad": {"t": 8},
         }
     base.update(layout)
-    return go.Figure(data=traces, layout=base)
+    return go.Figure(data=traces, layout=margins(traces, base))
 
 
 def heat_height(rows: int, lo: int = 300, hi: int = 720, per: int = 16) -> int:

@@ -50,11 +50,12 @@ def page() -> None:
 def _walk(ids: list[str], current: str, all_cards: dict) -> None:
     """Previous / next component buttons, so the forward pass reads like pages of a book."""
     i = ids.index(current)
-    left, _, right = st.columns([1, 2, 1])
+    ends = "right" if i == 0 else "left" if i == len(ids) - 1 else "distribute"
+    row = st.container(horizontal=True, horizontal_alignment=ends)  # one flex row: fewer elements than columns
     if i > 0:
-        left.button(f"← {all_cards[ids[i - 1]].title}", key="anatomy_prev", on_click=_go, args=(ids[i - 1],), width="stretch")
+        row.button(f"← {all_cards[ids[i - 1]].title}", key="anatomy_prev", on_click=_go, args=(ids[i - 1],))
     if i < len(ids) - 1:
-        right.button(f"{all_cards[ids[i + 1]].title} →", key="anatomy_next", on_click=_go, args=(ids[i + 1],), width="stretch")
+        row.button(f"{all_cards[ids[i + 1]].title} →", key="anatomy_next", on_click=_go, args=(ids[i + 1],))
 
 
 def _go(card_id: str) -> None:

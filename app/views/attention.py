@@ -6,7 +6,10 @@ from __future__ import annotations
 import streamlit as st
 
 from app import card_view, widgets
+from app.core.session import View
 from app.topics import attention, card_plots, tokens
+
+SCORES = "layers.{i}.attn.indexer.scores"
 
 
 def page() -> None:
@@ -19,38 +22,49 @@ def page() -> None:
     )
     if view is None:
         return
-    block = view.block
-    k = min(view.config.index_topk, view.n_tokens)
-    st.subheader(f"Block {block}: index scores and attention", anchor=False)
     if view.n_tokens <= view.config.index_topk:
         st.caption(
             f":material/info: The prompt has {view.n_tokens} tokens and index_topk is {view.config.index_topk}: every "
             "query keeps all its earlier keys, so sparse attention equals dense attention here. Trace a prompt longer "
             f"than {view.config.index_topk} tokens to see keys dropped."
         )
+    widgets.lazy_tabs(
+        {
+            "Index scores": lambda: _index_scores(view),
+            "Attention": lambda: _attention(view),
+            "Indexer recall": lambda: _recall(view),
+            "One query": lambda: _one_query(view),
+        },
+        "attention_tab",
+    )
+
+
+def _index_scores(view: View) -> None:
+    block = view.block
+    if widgets.memo_chart(view, "index_scores", lambda: card_plots.index_scores(view, block), block) is None:
+        widgets.missing("No index scores", [SCORES], block)
+
+
+def _attention(view: View) -> None:
+    block = view.block
     heads = attention.recorded_heads(view.trace, block)
     head = None
     if heads:
         pick, _ = st.columns([1, 3])
         choice = pick.selectbox(
-            "Attention heads (right plot)",
+            "Attention heads",
             ["mean", *range(heads)],
             key="attention_head",
             format_func=lambda h: "mean over heads" if h == "mean" else f"head {h}",
         )
         head = None if choice == "mean" else int(choice)
-    left, right = st.columns(2, gap="large")
-    with left:
-        if widgets.memo_chart(view, "index_scores", lambda: card_plots.index_scores(view, block), block) is None:
-            widgets.missing("No index scores", ["layers.{i}.attn.indexer.scores"], block)
-    with right:
-        fig = widgets.memo_chart(
-            view, "attention_pattern", lambda: card_plots.attention_pattern(view, block, head=head), block, head
-        )
-        if fig is None:
-            widgets.missing("No attention pattern", ["layers.{i}.attn.probs_mean"], block)
+    build = lambda: card_plots.attention_pattern(view, block, head=head)  # noqa: E731
+    if widgets.memo_chart(view, "attention_pattern", build, block, head) is None:
+        widgets.missing("No attention pattern", ["layers.{i}.attn.probs_mean"], block)
 
-    st.subheader("Indexer recall", anchor=False)
+
+def _recall(view: View) -> None:
+    k = min(view.config.index_topk, view.n_tokens)
     st.caption(
         f"For each query: the share of dense attention's probability mass (softmax over all earlier keys, mean "
         f"over heads) that falls on the {k} keys the indexer kept. 1 = nothing lost."
@@ -61,7 +75,9 @@ def page() -> None:
     else:
         widgets.memo_chart(view, "recall", lambda: attention.recall_figure(got[0], got[1], tokens.labels(view)))
 
-    st.subheader("One query in detail", anchor=False)
+
+def _one_query(view: View) -> None:
+    block = view.block
     labels = tokens.labels(view)
     if st.session_state.get("query", 0) >= view.n_tokens:
         st.session_state["query"] = view.n_tokens - 1
@@ -70,12 +86,13 @@ def page() -> None:
     query = st.selectbox("Query position", range(view.n_tokens), key="query", format_func=lambda i: labels[i])
     df = attention.query_profile(view.trace, block, query)
     if df is None:
-        widgets.missing("No index scores", ["layers.{i}.attn.indexer.scores"], block)
-    else:
-        token = tokens.token_texts(view.trace)[query]
-        widgets.memo_chart(view, "query_profile", lambda: attention.query_profile_figure(df, query, token, block), block, query)
-        with st.expander("As a table"):
-            st.dataframe(df, hide_index=True, width="stretch")
+        widgets.missing("No index scores", [SCORES], block)
+        return
+    token = tokens.token_texts(view.trace)[query]
+    widgets.memo_chart(view, "query_profile", lambda: attention.query_profile_figure(df, query, token, block), block, query)
+    box = widgets.lazy_expander("As a table", "query_table")
+    if box is not None:
+        box.dataframe(df, hide_index=True, width="stretch")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ picks, logit lens); and across the steps, one block's experts and the indexer's 
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from app import card_view, widgets
+from app.core.session import View
 from app.topics import card_plots, generation, predictions, tokens
 
 
@@ -34,7 +36,9 @@ def page() -> None:
             icon=":material/edit_note:",
         )
         widgets.memo_chart(view, "gen_probs", lambda: generation.probability_figure(steps, None))
-        st.dataframe(steps, hide_index=True, width="stretch")
+        box = widgets.lazy_expander("Every position as a table", "generation_steps_table")
+        if box is not None:
+            box.dataframe(steps, hide_index=True, width="stretch")
         return
     start = int(info["start"])
     how = (
@@ -48,25 +52,32 @@ def page() -> None:
         "Colour: the probability each token was written with (red unlikely, green certain); hover a token for more."
     )
     st.html(generation.coloured_text(steps, start))
-    widgets.memo_chart(view, "gen_probs", lambda: generation.probability_figure(steps, start))
-    one_step(view, steps)
-    timeline(view)
-    with st.expander("Every step as a table"):
-        st.dataframe(steps, hide_index=True, width="stretch")
+    widgets.lazy_tabs(
+        {
+            "Alternatives": lambda: _alternatives(view, steps),
+            "Experts": lambda: _experts(view, steps),
+            "Indexer picks": lambda: _indexer_picks(view, steps),
+            "Logit lens": lambda: _logit_lens(view, steps),
+            "As the text grows": lambda: timeline(view),
+            "Probabilities": lambda: widgets.memo_chart(view, "gen_probs", lambda: generation.probability_figure(steps, start)),
+            "Every step": lambda: st.dataframe(steps, hide_index=True, width="stretch"),
+        },
+        "generation_tab",
+    )
 
 
-def one_step(view, steps) -> None:
+def one_step(view: View, steps: pd.DataFrame) -> int:
+    """The step chooser and what the chosen token was written with; the position of the pass that wrote it."""
     trace = view.trace
     written = generation.written(trace)
     if st.session_state.get("gen_step") not in written:
         st.session_state["gen_step"] = written[0]
-    st.subheader("One step", anchor=False)
     step = st.select_slider(
         "Generated token",
         written,
         key="gen_step",
         format_func=lambda p: generation.step_label(trace, p),
-        help="Each token was written by the pass at the position before it: the panels below show that pass.",
+        help="Each token was written by the pass at the position before it: the views of one step show that pass.",
     )
     query = step - 1
     row = steps.iloc[step]
@@ -75,38 +86,48 @@ def one_step(view, steps) -> None:
         f"**{row['chosen_prob']:.3f}** (entropy {row['entropy']:.2f} nats) by the pass at position {query} "
         f"(reading `{tokens.show_token(trace.tokens[query], html_escape=False)}`, {steps['phase'].iloc[query]})."
     )
-    left, right = st.columns(2, gap="large")
-    with left:
-        alts = generation.alternatives(steps, step)
-        widgets.memo_chart(view, "gen_alts", lambda: generation.alternatives_figure(alts, step), step)
-    with right:
-        got = view.memo(("gen_experts_at", query), lambda: generation.experts_at(trace, query))
-        if got is None:
-            widgets.missing("No experts", ["layers.{i}.ffn.gate.topk_indices"])
-        else:
-            widgets.memo_chart(view, "gen_experts_at", lambda: generation.experts_at_figure(*got, query), query)
-    left, right = st.columns(2, gap="large")
-    with left:
-        row_scores = generation.indexer_row(trace, view.block, query)
-        if row_scores is None:
-            widgets.missing("No indexer picks", ["layers.{i}.attn.indexer.scores"], view.block)
-        else:
-            labels = tokens.labels(view)
-            build = lambda: generation.indexer_row_figure(*row_scores, labels, view.block, query)  # noqa: E731
-            widgets.memo_chart(view, "gen_indexer_row", build, view.block, query)
-    with right:
-        lens = view.memo("lens", lambda: predictions.logit_lens(trace))
-        if lens is None:
-            widgets.missing("No logit lens", ["layers.{i}.logit_lens.topk_indices"])
-        else:
-            chosen = tokens.show_token(row["token"], html_escape=False)
-            widgets.memo_chart(view, "gen_lens", lambda: generation.lens_at_figure(lens, query, chosen), query)
+    return query
 
 
-def timeline(view) -> None:
+def _alternatives(view: View, steps: pd.DataFrame) -> None:
+    step = one_step(view, steps) + 1
+    alts = generation.alternatives(steps, step)
+    widgets.memo_chart(view, "gen_alts", lambda: generation.alternatives_figure(alts, step), step)
+
+
+def _experts(view: View, steps: pd.DataFrame) -> None:
+    query = one_step(view, steps)
+    got = view.memo(("gen_experts_at", query), lambda: generation.experts_at(view.trace, query))
+    if got is None:
+        widgets.missing("No experts", ["layers.{i}.ffn.gate.topk_indices"])
+    else:
+        widgets.memo_chart(view, "gen_experts_at", lambda: generation.experts_at_figure(*got, query), query)
+
+
+def _indexer_picks(view: View, steps: pd.DataFrame) -> None:
+    query = one_step(view, steps)
+    row_scores = generation.indexer_row(view.trace, view.block, query)
+    if row_scores is None:
+        widgets.missing("No indexer picks", ["layers.{i}.attn.indexer.scores"], view.block)
+        return
+    labels = tokens.labels(view)
+    build = lambda: generation.indexer_row_figure(*row_scores, labels, view.block, query)  # noqa: E731
+    widgets.memo_chart(view, "gen_indexer_row", build, view.block, query)
+
+
+def _logit_lens(view: View, steps: pd.DataFrame) -> None:
+    query = one_step(view, steps)
+    lens = view.memo("lens", lambda: predictions.logit_lens(view.trace))
+    if lens is None:
+        widgets.missing("No logit lens", ["layers.{i}.logit_lens.topk_indices"])
+        return
+    chosen = tokens.show_token(steps.iloc[query + 1]["token"], html_escape=False)
+    widgets.memo_chart(view, "gen_lens", lambda: generation.lens_at_figure(lens, query, chosen), query)
+
+
+def timeline(view: View) -> None:
     trace = view.trace
     written = generation.written(trace)
-    st.subheader("As the text grows", anchor=False)
     block, note = card_plots.applicable_block("moe", view.config, view.block)
     if note:
         st.caption(f":material/info: {note}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app import card_view, widgets
+from app.core.session import View
 from app.topics import card_plots, cards, model_map
 
 
@@ -18,19 +19,17 @@ def page() -> None:
         return
     cfg = view.config
     counts = model_map.param_counts(cfg)
-    cols = st.columns(6)
-    cols[0].metric("Blocks", cfg.n_layers, help=f"{cfg.n_dense_layers} dense, {cfg.n_moe_layers} MoE")
-    cols[1].metric("Width d", f"{cfg.dim:,}")
-    cols[2].metric("Heads", cfg.n_heads, help=f"MLA heads; the indexer has {cfg.index_n_heads}")
-    cols[3].metric(
+    row = st.container(horizontal=True, gap="medium")  # one flex row: six columns would be seven more elements
+    row.metric("Blocks", cfg.n_layers, help=f"{cfg.n_dense_layers} dense, {cfg.n_moe_layers} MoE")
+    row.metric("Width d", f"{cfg.dim:,}")
+    row.metric("Heads", cfg.n_heads, help=f"MLA heads; the indexer has {cfg.index_n_heads}")
+    row.metric(
         "Experts",
         f"{cfg.n_activated_experts} of {cfg.n_routed_experts}",
         help=f"+ {cfg.n_shared_experts} shared; {cfg.n_expert_groups} groups, {cfg.n_limited_groups} chosen per token",
     )
-    cols[4].metric(
-        "Parameters", model_map.human(counts["total_params"]), help=f"{counts['total_params']:,} (without the MTP module)"
-    )
-    cols[5].metric(
+    row.metric("Parameters", model_map.human(counts["total_params"]), help=f"{counts['total_params']:,} (without the MTP module)")
+    row.metric(
         "Activated per token",
         model_map.human(counts["activated_params"]),
         help=f"{counts['activated_params']:,}, without the embedding",
@@ -49,29 +48,36 @@ def page() -> None:
         "Hover a cell for its parameter count; the outlined column is the chosen block."
     )
 
+    widgets.lazy_tabs(
+        {
+            "Your prompt": lambda: _prompt(view),
+            "Parameters per component": lambda: _params(view),
+            "Config": lambda: st.dataframe(model_map.config_table(cfg), hide_index=True, width="stretch"),
+            "The transformer block": lambda: card_view.card(cards.load_cards()["block"], view, key="map_block"),
+        },
+        "model_map_tab",
+    )
+
+
+def _prompt(view: View) -> None:
+    st.markdown(model_map.token_strip(view.trace.tokens))
+    widgets.memo_chart(view, "next_token", lambda: card_plots.next_token(view, view.block))
+
+
+def _params(view: View) -> None:
+    frame = model_map.params_table(view.config)
     left, right = st.columns([3, 2], gap="large")
     with left:
-        st.subheader("Parameters per component", anchor=False)
-        frame = model_map.params_table(cfg)
         widgets.memo_chart(view, "params", lambda: model_map.params_figure(frame))
-        st.dataframe(
-            frame[["component", "total", "activated", "share"]],
-            hide_index=True,
-            column_config={
-                "total": st.column_config.NumberColumn(format="localized"),
-                "activated": st.column_config.NumberColumn("activated per token", format="localized"),
-                "share": st.column_config.ProgressColumn("share of total", format="percent", min_value=0, max_value=1),
-            },
-        )
-    with right:
-        st.subheader("Your prompt", anchor=False)
-        st.markdown(model_map.token_strip(view.trace.tokens))
-        widgets.memo_chart(view, "next_token", lambda: card_plots.next_token(view, view.block))
-        with st.expander("Config"):
-            st.dataframe(model_map.config_table(cfg), hide_index=True, width="stretch")
-
-    st.subheader("The transformer block", anchor=False)
-    card_view.card(cards.load_cards()["block"], view, key="map_block")
+    right.dataframe(
+        frame[["component", "total", "activated", "share"]],
+        hide_index=True,
+        column_config={
+            "total": st.column_config.NumberColumn(format="localized"),
+            "activated": st.column_config.NumberColumn("activated per token", format="localized"),
+            "share": st.column_config.ProgressColumn("share of total", format="percent", min_value=0, max_value=1),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ from __future__ import annotations
 import streamlit as st
 
 from app import card_view, widgets
+from app.core.session import View
 from app.topics import card_plots, predictions, residual, tokens
+
+STREAM_SITES = ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"]
 
 
 def page() -> None:
@@ -19,22 +22,40 @@ def page() -> None:
     )
     if view is None:
         return
-    labels = tokens.labels(view)
     grids = view.memo("residual_grids", lambda: residual.residual_grids(view.table("residual"), view.n_tokens))
-    if grids is None:
-        widgets.missing("No residual stream", ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"])
-    else:
-        left, right = st.columns(2, gap="large")
-        with left:
-            widgets.memo_chart(view, "resid_norm", lambda: residual.residual_norms_figure(grids, labels))
-        with right:
-            widgets.memo_chart(view, "resid_cos", lambda: residual.residual_cosine_figure(grids, labels))
-        left, right = st.columns(2, gap="large")
-        with left:
+    labels = tokens.labels(view)
+
+    def stream(key: str, build) -> None:
+        if grids is None:
+            widgets.missing("No residual stream", STREAM_SITES)
+        else:
+            widgets.memo_chart(view, key, lambda: build(grids, labels))
+
+    widgets.lazy_tabs(
+        {
+            "Stream norm": lambda: stream("resid_norm", residual.residual_norms_figure),
+            "Turn per block": lambda: stream("resid_cos", residual.residual_cosine_figure),
+            "Update sizes": lambda: _updates(view, grids),
+            "Logit lens": lambda: _logit_lens(view, labels),
+        },
+        "residual_tab",
+    )
+
+
+def _updates(view: View, grids: residual.ResidualGrids | None) -> None:
+    left, right = st.columns(2, gap="large")
+    with left:
+        if grids is None:
+            widgets.missing("No update sizes", STREAM_SITES)
+        else:
             widgets.memo_chart(view, "resid_updates", lambda: residual.update_sizes_figure(grids))
-        with right:
-            widgets.memo_chart(view, "resid_block_updates", lambda: card_plots.block_updates(view, view.block), view.block)
-    st.subheader("Logit lens", anchor=False)
+    with right:
+        fig = widgets.memo_chart(view, "resid_block_updates", lambda: card_plots.block_updates(view, view.block), view.block)
+        if fig is None:
+            widgets.missing("No update sizes", STREAM_SITES, view.block)
+
+
+def _logit_lens(view: View, labels: list[str]) -> None:
     st.caption(
         "The final RMSNorm and the output head applied to each block's output $x_{n+1}$: the colour is the "
         "probability of the top token (written in the cell); hover for the top 5. The last row is the model's "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app import card_view, widgets
+from app.core.session import View
 from app.topics import card_plots, experts, router, tokens
 
 
@@ -19,8 +20,7 @@ def page() -> None:
     )
     if view is None:
         return
-    cfg = view.config
-    block, note = card_plots.applicable_block("moe", cfg, view.block)
+    block, note = card_plots.applicable_block("moe", view.config, view.block)
     if block is None:
         st.info(note)
         return
@@ -30,8 +30,20 @@ def page() -> None:
     if r is None:
         widgets.missing("No routing", ["layers.{i}.ffn.gate.topk_indices"], block)
         return
-    labels = tokens.labels(view)
-    st.subheader(f"Block {block}: router scores", anchor=False)
+    widgets.lazy_tabs(
+        {
+            "Scores": lambda: _scores(view, r),
+            "Groups and weights": lambda: _groups_and_weights(view, r),
+            "Correction bias": lambda: _bias(view, block),
+            "Routed and shared": lambda: _routed_shared(view, block),
+            "Load across blocks": lambda: _load(view),
+        },
+        "router_tab",
+    )
+
+
+def _scores(view: View, r: router.Routing) -> None:
+    st.subheader(f"Block {r.block}: router scores", anchor=False)
     biased = st.toggle(
         "Show the biased scores s + b (what selection ranks)",
         key="router_biased",
@@ -39,56 +51,65 @@ def page() -> None:
         help="Off: the sigmoid scores s the weights come from. On: s plus the correction bias b.",
     )
     if r.scores is None:
-        widgets.missing("No scores", ["layers.{i}.ffn.gate.scores"], block)
-    else:
-        per_group = cfg.experts_per_group
-        widgets.memo_chart(
-            view, "router_scores", lambda: router.router_scores_figure(r, labels, per_group, biased=biased), block, biased
-        )
+        widgets.missing("No scores", ["layers.{i}.ffn.gate.scores"], r.block)
+        return
+    labels, per_group = tokens.labels(view), view.config.experts_per_group
+    build = lambda: router.router_scores_figure(r, labels, per_group, biased=biased)  # noqa: E731
+    widgets.memo_chart(view, "router_scores", build, r.block, biased)
+
+
+def _groups_and_weights(view: View, r: router.Routing) -> None:
     left, right = st.columns([2, 3], gap="large")
     with left:
         if r.group_scores is not None and r.groups_chosen is not None:
-            widgets.memo_chart(view, "router_groups", lambda: router.groups_figure(r, labels), block)
+            widgets.memo_chart(view, "router_groups", lambda: router.groups_figure(r, tokens.labels(view)), r.block)
         else:
-            widgets.missing("No group scores", ["layers.{i}.ffn.gate.group_scores", "layers.{i}.ffn.gate.groups"], block)
+            widgets.missing("No group scores", ["layers.{i}.ffn.gate.group_scores", "layers.{i}.ffn.gate.groups"], r.block)
     with right:
-        widgets.memo_chart(view, "router_weights", lambda: card_plots.expert_weights(view, block), block)
+        widgets.memo_chart(view, "router_weights", lambda: card_plots.expert_weights(view, r.block), r.block)
 
-    st.subheader("What the correction bias changed", anchor=False)
+
+def _bias(view: View, block: int) -> None:
     effect = view.memo(("bias_effect", block), lambda: router.bias_effect(view.trace, block))
     if effect is None:
         widgets.missing("No bias comparison", ["layers.{i}.ffn.gate.scores", "layers.{i}.ffn.gate.biased_scores"], block)
-    else:
-        n_slots = effect.with_bias.size
-        changed = int(effect.changed.sum())
-        cols = st.columns(3)
-        cols[0].metric(
-            "Expert choices changed by b",
-            f"{changed} of {n_slots}",
-            help="chosen experts that the same rule with b = 0 would not choose",
-        )
-        cols[1].metric("Tokens affected", f"{int((effect.changed > 0).sum())} of {view.n_tokens}")
-        cols[2].metric(
-            "Selection recomputed from s + b",
-            "matches the trace" if effect.reproduced else "differs",
-            help="The group-limited top-k recomputed here from the recorded biased scores, "
-            "compared with the experts the model chose.",
-        )
-        st.caption(
-            "Without the bias, the same rule (groups by the sum of their top-2 scores, then top-k inside the chosen "
-            "groups) ranks the unbiased scores s. The bias only moves the choice; the weights always come from s."
-        )
-        widgets.memo_chart(view, "router_bias", lambda: router.bias_figure(effect, cfg.experts_per_group), block)
-        changes = router.bias_changes(view.trace, effect)
-        if not changes.empty:
-            with st.expander(f"The {len(changes)} tokens whose experts the bias changed"):
-                st.dataframe(changes, hide_index=True, width="stretch")
+        return
+    n_slots = effect.with_bias.size
+    changed = int(effect.changed.sum())
+    cols = st.columns(3)
+    cols[0].metric(
+        "Expert choices changed by b",
+        f"{changed} of {n_slots}",
+        help="chosen experts that the same rule with b = 0 would not choose",
+    )
+    cols[1].metric("Tokens affected", f"{int((effect.changed > 0).sum())} of {view.n_tokens}")
+    cols[2].metric(
+        "Selection recomputed from s + b",
+        "matches the trace" if effect.reproduced else "differs",
+        help="The group-limited top-k recomputed here from the recorded biased scores, "
+        "compared with the experts the model chose.",
+    )
+    st.caption(
+        "Without the bias, the same rule (groups by the sum of their top-2 scores, then top-k inside the chosen "
+        "groups) ranks the unbiased scores s. The bias only moves the choice; the weights always come from s."
+    )
+    widgets.memo_chart(view, "router_bias", lambda: router.bias_figure(effect, view.config.experts_per_group), block)
+    changes = router.bias_changes(view.trace, effect)
+    if not changes.empty:
+        box = widgets.lazy_expander(f"The {len(changes)} tokens whose experts the bias changed", "router_bias_changes")
+        if box is not None:
+            box.dataframe(changes, hide_index=True, width="stretch")
 
+
+def _routed_shared(view: View, block: int) -> None:
     outputs = experts.routed_shared(view.trace, block)
-    if outputs is not None:
+    if outputs is None:
+        widgets.missing("No expert outputs", ["layers.{i}.ffn.routed_out", "layers.{i}.ffn.shared_out"], block)
+    else:
         widgets.memo_chart(view, "router_routed_shared", lambda: experts.routed_shared_figure(outputs, block), block)
 
-    st.subheader("Expert load across blocks", anchor=False)
+
+def _load(view: View) -> None:
     got = experts.load_grid(view.table("expert_load"))
     if got is None:
         widgets.missing("No expert load", ["layers.{i}.ffn.gate.topk_indices"])
