@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 
 from tracing.atlas import Atlas, AtlasError, read_atlas
 
-from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_axis
+from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_axis, right_axis
 from .tokens import show_token
 
 BUNDLED = Path(__file__).resolve().parents[2] / "assets" / "demo_atlas"
@@ -113,14 +113,7 @@ def imbalance_figure(table: pd.DataFrame) -> go.Figure:
         "Imbalance per block (1 = perfectly even)",
         height=300,
         yaxis={"title": {"text": "busiest expert / mean"}, "rangemode": "tozero"},
-        yaxis2={
-            "title": {"text": "CV"},
-            "overlaying": "y",
-            "side": "right",
-            "rangemode": "tozero",
-            "showgrid": False,
-            "tickformat": ".2f",
-        },
+        yaxis2=right_axis("CV", tickformat=".2f"),
     )
 
 

@@ -111,6 +111,11 @@ def group_lines(n_experts: int, per_group: int, **style: Any) -> list[dict]:
     return vlines([g * per_group - 0.5 for g in range(1, n_experts // per_group)], **style)
 
 
+def right_axis(title: str, **axis: Any) -> dict:
+    """A second y axis on the right, over the first, without its own grid."""
+    return {"title": {"text": title}, "overlaying": "y", "side": "right", "showgrid": False, "rangemode": "tozero", **axis}
+
+
 def reversed_axis(**axis: Any) -> dict:
     return {"autorange": "reversed", **axis}
 

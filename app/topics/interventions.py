@@ -16,7 +16,7 @@ from tracing.attribution import removable
 from tracing.interventions import AblateHeads, from_spec
 from tracing.trace import Trace
 
-from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, rows_figure, write_cells
+from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, right_axis, rows_figure, write_cells
 from .tokens import show_token
 
 _DRIFT_SITES = {"resid_pre": "in", "resid_mid": "after attention", "resid_post": "out"}
@@ -280,14 +280,7 @@ def block_changes_figure(frame: pd.DataFrame, n_tokens: int) -> go.Figure:
         barmode="group",
         xaxis={"title": {"text": "block"}},
         yaxis={"title": {"text": "positions changed"}, "range": [0, max(n_tokens, 1)]},
-        yaxis2={
-            "title": {"text": "max relative L2"},
-            "tickformat": ".2g",
-            "overlaying": "y",
-            "side": "right",
-            "showgrid": False,
-            "rangemode": "tozero",
-        },
+        yaxis2=right_axis("max relative L2", tickformat=".2g"),
     )
 
 
