@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import fp8
+from . import fp8, ops
 from .cache import LayerCache
 from .config import ModelArgs
 from .hooks import HookPoint
 from .indexer import Indexer, sparse_mask
 from .linear import Linear
 from .norm import RMSNorm
-from .ops import einsum
+from .ops import einsum, matmul
 from .rope import apply_rotary_emb
 
 
@@ -61,11 +61,12 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.size()
         end_pos = start_pos + seqlen
-        qr = self.q_norm(self.wq_a(x))  # (B, T, q_lora_rank)
+        xr = self.wq_a.rounded(x)  # FP8 projections round their input: once for wq_a, wkv_a and the indexer's wk
+        qr = self.wq_b.rounded(self.q_norm(self.wq_a(xr)))  # (B, T, q_lora_rank), for wq_b and the indexer's
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.qk_head_dim)  # (B, T, H, Dn + R)
         q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = apply_rotary_emb(q_pe, freqs_cis)
-        kv = self.wkv_a(x)  # (B, T, C + R)
+        kv = self.wkv_a(xr)  # (B, T, C + R)
         kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_norm(kv)  # (B, T, C)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)  # (B, T, R)
@@ -74,7 +75,7 @@ class MLA(nn.Module):
         if cache is not None:
             kv = cache.kv.write(start_pos, kv)  # (B, S, C)
             k_pe = cache.pe.write(start_pos, k_pe)  # (B, S, R)
-        topk_indices = self.indexer(x, qr, start_pos, freqs_cis, mask, cache)  # (B, T, K)
+        topk_indices = self.indexer(x, qr, start_pos, freqs_cis, mask, cache, xr)  # (B, T, K)
         index_mask = sparse_mask(topk_indices, end_pos, mask).unsqueeze(2).to(x.dtype)  # (B, T, 1, S): 0 or -inf
         if mask is not None:  # prefill: expand the latent to per-head keys and values (MHA)
             q = torch.cat([q_nope, q_pe], dim=-1)  # (B, T, H, Dn + R)
@@ -86,11 +87,39 @@ class MLA(nn.Module):
             scores = self.probs(scores.softmax(dim=-1))
             x = einsum("bsht,bthd->bshd", scores, v)  # (B, T, H, Dv)
         else:  # decode: absorb wkv_b into the query and the output, attend over the latent (MQA)
-            wkv_b = self.wkv_b.dequantized(x.dtype).view(self.n_heads, -1, self.kv_lora_rank)  # (H, Dn + Dv, C)
-            q_nope = einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : self.qk_nope_head_dim])  # (B, T, H, C)
-            scores = (einsum("bshc,btc->bsht", q_nope, kv) + einsum("bshr,btr->bsht", q_pe, k_pe)) * self.softmax_scale
-            scores = self.scores(scores) + index_mask
-            scores = self.probs(scores.softmax(dim=-1))  # (B, T, H, S)
-            x = einsum("bsht,btc->bshc", scores, kv)  # (B, T, H, C)
-            x = einsum("bshc,hdc->bshd", x, wkv_b[:, -self.v_head_dim :])  # (B, T, H, Dv)
+            x = self._mqa(q_nope, q_pe, kv, k_pe, index_mask)  # (B, T, H, Dv)
         return self.wo(x.flatten(2))
+
+    def _mqa(self, q_nope, q_pe, kv, k_pe, index_mask) -> torch.Tensor:
+        """One position's attention over the cached latents: wkv_b's key part absorbed into the query,
+        its value part into the output. For one sequence, the products einsum forms (batched over
+        heads, or over the sequence) are called directly: its reshaping cost more than they do."""
+        w_k, w_v = self.absorbed(q_nope.dtype)  # (H, Dn, C), (H, Dv, C)
+        bsz, heads = q_nope.size(0), self.n_heads
+        if bsz == 1:
+            q_nope = matmul(q_nope.view(heads, 1, -1), w_k).view(1, 1, heads, -1)  # (B, T, H, C)
+            scores = matmul(q_nope.view(1, heads, -1), kv.transpose(1, 2)) + matmul(q_pe.view(1, heads, -1), k_pe.transpose(1, 2))
+            scores = scores.view(1, 1, heads, -1) * self.softmax_scale  # (B, T, H, S)
+        else:
+            q_nope = einsum("bshd,hdc->bshc", q_nope, w_k)  # (B, T, H, C)
+            scores = (einsum("bshc,btc->bsht", q_nope, kv) + einsum("bshr,btr->bsht", q_pe, k_pe)) * self.softmax_scale
+        scores = self.scores(scores) + index_mask
+        scores = self.probs(scores.softmax(dim=-1))  # (B, T, H, S)
+        if bsz == 1:
+            x = matmul(scores.view(1, heads, -1), kv).view(heads, 1, -1)  # (H, T, C)
+            return matmul(x, w_v.transpose(1, 2)).view(1, 1, heads, -1)  # (B, T, H, Dv)
+        x = einsum("bsht,btc->bshc", scores, kv)  # (B, T, H, C)
+        return einsum("bshc,hdc->bshd", x, w_v)  # (B, T, H, Dv)
+
+    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """wkv_b's key and value parts per head, (H, Dn, C) and (H, Dv, C), each contiguous: every
+        decode step multiplies both. Kept, as wkv_b's own CPU copy is, while that copy is the same."""
+        wkv_b = self.wkv_b.dequantized(dtype)  # (H (Dn + Dv), C)
+        made, key = self.__dict__.setdefault("_absorbed", {}), (dtype, ops.product_dtype(dtype))
+        known = made.get(key)
+        if known is None or known[0] is not wkv_b:
+            w = wkv_b.view(self.n_heads, -1, self.kv_lora_rank)  # (H, Dn + Dv, C)
+            known = (wkv_b, w[:, : self.qk_nope_head_dim].contiguous(), w[:, -self.v_head_dim :].contiguous())
+            if self.wkv_b.cache_dequantized and wkv_b.device.type == "cpu":  # not a streamed or GPU weight
+                made[key] = known
+        return known[1], known[2]

@@ -49,14 +49,17 @@ class Indexer(nn.Module):
         freqs_cis: torch.Tensor,
         mask: torch.Tensor | None,
         cache: LayerCache | None = None,
+        x_rounded: fp8.Rounded | None = None,
     ) -> torch.Tensor:
+        """``qr`` may come rounded (fp8.Rounded) and ``x_rounded`` is x rounded, when MLA's FP8
+        projections of the same inputs rounded them already."""
         bsz, seqlen, _ = x.size()
         end_pos = start_pos + seqlen
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)  # (B, T, H, D)
         q_pe, q_nope = torch.split(q, [self.rope_head_dim, self.head_dim - self.rope_head_dim], dim=-1)
         q_pe = apply_rotary_emb(q_pe, freqs_cis, interleaved=False)  # the indexer's RoPE is not interleaved
         q = torch.cat([q_pe, q_nope], dim=-1)
-        k = self.k_norm(self.wk(x))  # (B, T, D): one key head shared by all index heads
+        k = self.k_norm(self.wk(x if x_rounded is None else x_rounded))  # (B, T, D): one key head shared by all index heads
         k_pe, k_nope = torch.split(k, [self.rope_head_dim, self.head_dim - self.rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis, interleaved=False).squeeze(2)
         k = torch.cat([k_pe, k_nope], dim=-1)
@@ -67,7 +70,10 @@ class Indexer(nn.Module):
             k_scale = cache.index_k_scale.write(start_pos, k_scale)  # (B, S, 1)
         weights = self.head_weights(self.weights_proj(x.float()) * self.n_heads**-0.5)  # (B, T, H)
         weights = weights.unsqueeze(-1) * q_scale * self.softmax_scale  # (B, T, H, 1)
-        index_score = fp8.fp8_index(q_fp8, weights.squeeze(-1), k_fp8, k_scale.squeeze(-1))  # (B, T, S)
+        causal_from = None if mask is None else start_pos  # fp8_index may leave the masked keys at -inf
+        index_score = fp8.fp8_index(
+            q_fp8, weights.squeeze(-1), k_fp8, k_scale.squeeze(-1), causal_from=causal_from, q_scale=q_scale
+        )
         if mask is not None:
             index_score += mask
         index_score = self.scores(index_score)

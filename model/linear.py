@@ -17,8 +17,9 @@ class Linear(nn.Module):
     On the CPU, products are formed in :func:`model.ops.product_dtype` of the activations (bfloat16
     where the CPU has bf16 units, else float32) and rounded once to the activation dtype; FP8
     weights are kept dequantised in that dtype after first use (FP8 to float conversion is slow on
-    the CPU; e4m3 times a power-of-two scale is exact in both). ``cache_dequantized = False`` turns
-    the copy off (the streamer does, so freed weights are not held).
+    the CPU; e4m3 times a power-of-two scale is exact in both), and a bfloat16 copy also laid out
+    for oneDNN (:func:`model.ops.pack`: the same bits). ``cache_dequantized = False`` turns the
+    copies off (the streamer does, so freed weights are not held).
     """
 
     def __init__(
@@ -41,15 +42,29 @@ class Linear(nn.Module):
         else:
             self.register_parameter("scale", None)
         self._cached: dict[torch.dtype, tuple] = {}  # product dtype -> (weight, scale, copy): see _prepared
+        self._packed: dict[torch.dtype, tuple] = {}  # copy dtype -> (copy, ops.pack(copy))
         self._fast_at: tuple[int, bool] | None = None  # (scale's data_ptr, fast): see _fast
 
     def forward(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
         fast, copy = self._prepared(x.dtype)
+        packed = None if copy is None else self._pack(copy)
         if self.scale is not None:  # FP8: x may be rounded already (fp8.Rounded, shared by several products)
-            return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, fast, copy)
+            return fp8.fp8_gemm(x, self.weight, self.scale, self.scale_fmt, fast, copy, packed)
         if copy is not None:
-            return F.linear(x.to(copy.dtype), copy).to(x.dtype)
+            return ops.linear(x.to(copy.dtype), copy, packed).to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype))
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor | fp8.Rounded:
+        """x as this layer's product reads it: rounded through FP8 for FP8 weights (fp8.Rounded, to
+        hand to the other FP8 products of the same input), else x itself."""
+        return x if self.scale is None else fp8.Rounded.of(x, self.scale_fmt)
+
+    def _pack(self, copy: torch.Tensor) -> torch.Tensor | None:
+        """ops.pack of this copy, made once (a bfloat16 copy only)."""
+        known = self._packed.get(copy.dtype)
+        if known is None or known[0] is not copy:
+            known = self._packed[copy.dtype] = (copy, ops.pack(copy))
+        return known[1]
 
     def _prepared(self, dtype: torch.dtype = torch.float32) -> tuple[bool | None, torch.Tensor | None]:
         """Whether the FP8 product may dequantise first (fp8.fp8_gemm's ``fast``; None for 16/32-bit
@@ -66,8 +81,8 @@ class Linear(nn.Module):
         if cached is not None and cached[0] is weight and cached[1] is scale:
             return fast, cached[2]
         if weight.dtype == compute:
-            return fast, weight.detach()
-        if scale is None:
+            copy = weight.detach()  # the weight itself (kept, so that its packed copy is found again)
+        elif scale is None:
             copy = weight.detach().to(compute)
         else:
             copy = fp8.weight_dequant(weight, scale, compute) if fast else fp8.to_float(weight.detach())
@@ -86,6 +101,13 @@ class Linear(nn.Module):
             known = self._fast_at = (scale.data_ptr(), fp8.dequantise_first_is_exact(scale, self.scale_fmt))
         return known[1]
 
+    def drop_copy(self, dtype: torch.dtype) -> None:
+        """Forget the copy products of ``dtype`` activations multiply (its owner keeps what it needs:
+        a MoE block its experts' packed weights); it is made again if asked for."""
+        compute = ops.product_dtype(dtype)
+        self._cached.pop(compute, None)
+        self._packed.pop(compute, None)
+
     def share_copy(self, copy: torch.Tensor) -> None:
         """Hold ``copy`` (equal to this Linear's own copy of its dtype, e.g. a view into the stack of
         a MoE block's experts) in place of the copy; nothing is copied."""
@@ -93,6 +115,7 @@ class Linear(nn.Module):
         if own is None or own.dtype != copy.dtype or not torch.equal(own, copy):
             raise ValueError("share_copy: not this Linear's copy")
         self._cached[copy.dtype] = (self.weight, self.scale, copy)
+        self._packed.pop(copy.dtype, None)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""

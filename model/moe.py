@@ -5,6 +5,8 @@ Shapes: N tokens (B * T flattened), D dim, E routed experts, G expert groups, k 
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -19,6 +21,9 @@ from .linear import Linear
 from .ops import topk
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)  # one product over row groups (torch >= 2.8)
+# below this many (token, expert) rows the experts that have rows run one by one: the CPU's grouped
+# product visits every expert, rows or not
+_GROUPED_ROWS = 128
 
 
 class MLP(nn.Module):
@@ -34,7 +39,9 @@ class MLP(nn.Module):
         return self.w2(self.hidden(x))
 
     def hidden(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
-        """silu(w1 x) * w3 x, formed in float32, in the activation dtype."""
+        """silu(w1 x) * w3 x, formed in float32, in the activation dtype (x rounded once for both
+        FP8 products)."""
+        x = self.w1.rounded(x) if isinstance(x, torch.Tensor) else x
         gate, up = self.w1(x), self.w3(x)
         return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
@@ -141,6 +148,18 @@ class Gate(nn.Module):
         return getattr(self, name)(value)
 
 
+class ExpertWeights(NamedTuple):
+    """A MoE block's experts prepared for one product dtype on the CPU: stacked copies for the
+    grouped product, or each expert's weights laid out for oneDNN (ops.pack)."""
+
+    w13: torch.Tensor | None  # (E, 2 inter, D): [w1; w3] of every expert, stacked
+    w2: torch.Tensor | None  # (E, D, inter)
+    packed13: list | None  # per expert: ops.pack of [w1; w3]
+    packed2: list | None  # per expert: ops.pack of w2
+    dtype: torch.dtype  # the product dtype
+    inter: int  # moe_inter_dim
+
+
 class MoE(nn.Module):
     """y = shared_experts(x) + sum over the chosen experts e of weight_e * expert_e(x)."""
 
@@ -166,35 +185,43 @@ class MoE(nn.Module):
         shape = x.size()
         x = x.view(-1, self.dim)  # (N, D)
         weights, indices = self.gate(x)
-        y = self.routed_out(self.route(x, weights, indices))
-        y = y + self.shared_out(self.shared_experts(x))
+        # FP8 products round their input per row: x once, for every routed expert and the shared one
+        rounded = fp8.Rounded.of(x, self.scale_fmt) if self.fp8 else None
+        y = self.routed_out(self.route(x, weights, indices, rounded))
+        y = y + self.shared_out(self.shared_experts(x if rounded is None else rounded))
         return y.type_as(x).view(shape)
 
-    def route(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def route(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, rounded: fp8.Rounded | None = None
+    ) -> torch.Tensor:
         """sum_e weight_e * expert_e(x) per token, in float32, the experts added in ascending order
         as the reference's loop adds them. Token-expert pairs are sorted by expert once, so each
-        expert runs on one contiguous slice (the rows and their order the loop would give it)."""
+        expert runs on one contiguous slice (the rows and their order the loop would give it).
+        ``rounded``: x through fp8.Rounded, for FP8 experts (made here when not given)."""
         n, k = indices.shape
         flat = indices.flatten()  # (N * k,)
         order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within
-        counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        # (expert, its slice of the sorted pairs); an expert held by another rank is None
-        spans = [(e, end - c, end) for e, c, end in zip(self.experts, counts, ends, strict=True) if c and e is not None]
+        counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()  # rows per expert
         tokens = order // k
-        # FP8 products round their input per row: round each token once, not once per product
-        rows = (fp8.Rounded.of(x, self.scale_fmt) if self.fp8 else x)[tokens]  # (N * k, D), grouped by expert
-        scale = weights.flatten()[order, None]
-        stacks = self._stacked_weights(x.dtype) if len(spans) > 1 else None
-        if stacks is not None:  # every expert's product at once: the same per-slice products
-            out = self._grouped(rows, stacks, torch.tensor(ends, dtype=torch.int32), x.dtype) * scale
-        else:
-            out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
-            for expert, a, b in spans:
-                out[a:b] = expert(rows[a:b]) * scale[a:b]
-        # regroup by token, each token's experts in ascending order, and add in that order
+        if self.fp8 and rounded is None:
+            rounded = fp8.Rounded.of(x, self.scale_fmt)
+        # regroup by token, each token's experts in ascending order (the order they are added in)
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
-        slots = self.gather_slots(out[by_token].view(n, k, self.dim))  # (N, k, D)
+        prepared = self._expert_weights(x.dtype)
+        if prepared is not None:  # every expert's products from weights prepared once: the same products
+            out = self._experts(x if rounded is None else rounded, tokens, prepared, counts, x.dtype)
+            out = out.index_select(0, by_token)
+            contrib = out.view(n, k, self.dim).float().mul_(weights.flatten()[order[by_token]].view(n, k, 1))
+        else:  # each expert's own module (an expert held by another rank is skipped)
+            rows = rounded.rows(tokens) if rounded is not None else x.index_select(0, tokens)  # (N * k, D)
+            scale = weights.flatten()[order, None]
+            out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
+            for j, end in enumerate(itertools.accumulate(counts)):
+                span = slice(end - counts[j], end)  # expert j's rows
+                if counts[j] and self.experts[j] is not None:
+                    out[span] = self.experts[j](rows[span]) * scale[span]
+            contrib = out.index_select(0, by_token).view(n, k, self.dim)
+        slots = self.gather_slots(contrib)  # (N, k, D)
         return self.add_slots(self.expert_out(slots))  # (N, D)
 
     def gather_slots(self, contrib: torch.Tensor) -> torch.Tensor:
@@ -210,40 +237,95 @@ class MoE(nn.Module):
             y += contrib[:, j]
         return y
 
-    def _grouped(self, rows: torch.Tensor | fp8.Rounded, stacks: tuple, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Expert.forward for all experts in two grouped products (rows sorted by expert, ``ends``
-        the cumulative row counts), rounding as each expert's own products would: w1 and w3 as one
-        product of twice the width (each output is its own dot product: the same values)."""
-        w13, w2 = stacks  # (E, 2 inter, D), (E, D, inter) in the product dtype
-        inter = w2.shape[-1]
-        a = rows.values() if isinstance(rows, fp8.Rounded) else rows  # (N k, D)
-        both = _grouped_mm(a.to(w13.dtype), w13.transpose(1, 2), offs=ends)  # (N k, 2 inter): w1 x, w3 x
-        gate, up = both[:, :inter].to(dtype), both[:, inter:].to(dtype)
+    def _experts(
+        self, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, w: ExpertWeights, counts: list[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Expert.forward for every pair, from the prepared weights, rounding as each expert's own
+        products would; rows sorted by expert (``tokens`` the token of each, ``counts`` how many
+        each expert has). w1 and w3 as one product of twice the width (each output is its own dot
+        product: the same values). Stacked weights and many rows: one grouped product over all
+        experts; else one product per expert that has rows."""
+        grouped = w.w13 is not None and len(tokens) >= _GROUPED_ROWS
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32) if grouped else None
+        used = [j for j, c in enumerate(counts) if c]
+
+        def product(a: torch.Tensor, stack: torch.Tensor | None, packed: list | None) -> torch.Tensor:
+            if grouped:
+                return _grouped_mm(a, stack.transpose(1, 2), offs=offs)
+            rows = a.split(counts)  # each expert's rows
+            if packed is not None:
+                return torch.cat([ops.linear(rows[j], None, packed[j]) for j in used])
+            return torch.cat([F.linear(rows[j], stack[j]) for j in used])
+
+        a = x.values(w.dtype) if isinstance(x, fp8.Rounded) else x.to(w.dtype)
+        both = product(a.index_select(0, tokens), w.w13, w.packed13)  # (N k, 2 inter): w1 x, w3 x
+        gate, up = both[:, : w.inter].to(dtype), both[:, w.inter :].to(dtype)
         hidden = (F.silu(gate.float()) * up.float()).to(dtype)
-        h = fp8.Rounded.of(hidden, self.scale_fmt).values() if isinstance(rows, fp8.Rounded) else hidden
-        return _grouped_mm(h.to(w2.dtype), w2.transpose(1, 2), offs=ends).to(dtype)  # (N k, D)
+        h = fp8.Rounded.of(hidden, self.scale_fmt).values(w.dtype) if self.fp8 else hidden.to(w.dtype)
+        return product(h, w.w2, w.packed2).to(dtype)  # (N k, D)
+
+    def _expert_weights(self, dtype: torch.dtype) -> ExpertWeights | None:
+        """Every expert's weights prepared for products of ``dtype`` activations: laid out for oneDNN
+        (ops.pack, one product per expert) where bfloat16 products take that form, else stacked
+        (:meth:`_stacked_weights`). None where the experts' own modules run: experts held elsewhere
+        (expert parallelism), no copies (GPU, streaming, training), float32 weights, or FP8 scales
+        that need the kernel's block order. Made once, kept while the experts hold the same weights."""
+        return self._kept("_prepared_experts", dtype, self._prepare)
+
+    def _prepare(self, linears: list[Linear], dtype: torch.dtype) -> ExpertWeights | None:
+        compute = ops.product_dtype(dtype)
+        if compute == torch.bfloat16 and ops.packed_products_agree():
+            return self._pack(linears, dtype)
+        stacks = self._stacked_weights(dtype) if _grouped_mm is not None else None
+        return None if stacks is None else ExpertWeights(*stacks, None, None, compute, stacks[1].shape[-1])
+
+    def _kept(self, name: str, dtype: torch.dtype, make: Callable) -> object | None:
+        """``make(linears, dtype)``, kept per product dtype under ``name`` while every expert holds
+        the same weight and scale tensors (a streamed block's weights are never kept)."""
+        held = self._held()
+        if held is None:
+            return None
+        linears, key = held
+        cache, compute = self.__dict__.setdefault(name, {}), ops.product_dtype(dtype)
+        known = cache.get(compute)
+        if known is not None and len(known[0]) == len(key) and all(map(operator.is_, known[0], key)):
+            return known[1]
+        made = make(linears, dtype)
+        if linears[0].cache_dequantized:  # held like Linear's own copies (None too)
+            cache[compute] = (key, made)
+        return made
+
+    def _held(self) -> tuple[list[Linear], list] | None:
+        """The experts' Linears (w1, w3, w2 expert by expert) and what identifies the weights they
+        hold now (read from the parameter dicts: a decode step checks them all in every block)."""
+        experts = tuple(self.experts)
+        if any(e is None for e in experts):
+            return None
+        known = self.__dict__.get("_linears")
+        if known is None or not all(map(operator.is_, known[0], experts)):
+            linears = [lin for e in experts for lin in (e.w1, e.w3, e.w2)]
+            known = self.__dict__["_linears"] = (experts, linears, [lin._parameters for lin in linears])
+        _, linears, params = known
+        return linears, [linears[0].cache_dequantized, *[p["weight"] for p in params], *[p["scale"] for p in params]]
+
+    def _pack(self, linears: list[Linear], dtype: torch.dtype) -> ExpertWeights | None:
+        """Each expert's [w1; w3] and w2 through ops.pack; the plain copies are not kept."""
+        plans = [lin._prepared(dtype) for lin in linears]
+        if any(copy is None or fast is False for fast, copy in plans) or linears[0].weight.dtype == torch.float32:
+            return None
+        copies = [copy for _, copy in plans]
+        for lin in linears:
+            lin.drop_copy(dtype)
+        packed13 = [ops.pack(torch.cat(copies[i : i + 2])) for i in range(0, len(copies), 3)]
+        packed2 = [ops.pack(copy) for copy in copies[2::3]]
+        return ExpertWeights(None, None, packed13, packed2, torch.bfloat16, copies[2].shape[-1])
 
     def _stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts' weight copies for ``dtype`` activations (Linear._prepared) as two stacks,
         [w1; w3] (E, 2 inter, D) and w2 (E, D, inter), which the experts' own Linears then share
-        (views, no second copy). None where products run one expert at a time: no grouped product
-        in this torch, experts held elsewhere (expert parallelism), no copies (GPU, streaming,
-        training), float32 weights (stacking would copy them), or FP8 scales that need the
-        kernel's block order."""
-        if _grouped_mm is None or any(e is None for e in self.experts):
-            return None
-        linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]  # expert by expert
-        # one stack per product dtype, valid while every expert holds the same weight and scale tensors
-        # (a decode step would otherwise check hundreds of copies per block)
-        held = (linears[0].cache_dequantized, *(t for lin in linears for t in (lin.weight, lin.scale)))
-        stacks, compute = self.__dict__.setdefault("_stacks", {}), ops.product_dtype(dtype)
-        known = stacks.get(compute)
-        if known is not None and all(a is b for a, b in zip(known[0], held, strict=True)):
-            return known[1]
-        stacked = self._stack(linears, dtype)
-        if stacked is not None:  # held like Linear's own copies; a streamed block's weights are never held
-            stacks[compute] = (held, stacked)
-        return stacked
+        (views, no second copy), for the grouped product. None where there are no copies to stack
+        (see :meth:`_expert_weights`). Made once, kept while the experts hold the same weights."""
+        return self._kept("_stacks", dtype, self._stack)
 
     def _stack(self, linears: list[Linear], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         plans = [lin._prepared(dtype) for lin in linears]

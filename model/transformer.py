@@ -135,6 +135,17 @@ class Transformer(nn.Module):
         self.logits.all = HookPoint("B T V")  # every position's logits, when asked for
         self._thread_caches = threading.local()
 
+    def _freqs_cis(self, n_positions: int, device: torch.device) -> torch.Tensor:
+        """RoPE's rotations for at least ``n_positions``: made for twice as many as first asked (up to
+        max_seq_len) and kept per device, so a decode step does not make them again (a position's
+        rotation does not depend on how many are made)."""
+        args, made = self.args, self.__dict__.setdefault("_rotations", {})
+        known = made.get(device)
+        if known is None or known[0] is not args or known[1].shape[0] < n_positions:
+            grown = max(n_positions, min(2 * n_positions, args.max_seq_len))
+            known = made[device] = (args, precompute_freqs_cis(args, grown, device))
+        return known[1]
+
     def new_cache(self) -> Cache:
         return Cache(len(self.layers))
 
@@ -161,7 +172,7 @@ class Transformer(nn.Module):
         if cache is None:
             cache = self._implicit_cache(start_pos)
         device = tokens.device
-        freqs_cis = precompute_freqs_cis(self.args, end_pos, device)[start_pos:end_pos]
+        freqs_cis = self._freqs_cis(end_pos, device)[start_pos:end_pos]
         # the reference masks only when several positions run at once; one position sees all keys
         mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
         h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)

@@ -1,18 +1,24 @@
-"""Decode speed: milliseconds per generated token, traced and untraced, against transformers' generate.
+"""Decode speed: milliseconds per decode step, traced and untraced, against transformers' generate.
 
     python scripts/bench_generate.py                     # prompts of 64 and 512 tokens, 32 new tokens
-    python scripts/bench_generate.py --prompts 64 --new 16
+    python scripts/bench_generate.py --prompts 64 --new 16 --rounds 5
 
 A benchmark run by hand, not a test; one JSON object on stdout. The weights are bench_forward's
 mid-size config (hidden 1024, 8 blocks, 64 experts; the demo's 256-position context cannot hold a
 512-token prompt), as the FP8 checkpoint for ours and its exact bf16 dequantisation for the peer.
 
-Per prompt length P, each way is timed as (time to prefill P and generate N greedy tokens - time to
-prefill P and generate none) / N, so the prefill cancels and what is left is the decode step:
+Per prompt length P, each way prefills P tokens and generates N greedy ones, and times itself: a
+forward hook on the model marks the end of the prefill (its first forward call), and the run's
+decode time is from there to the run's end, over the decode steps (forward calls) after it. The
+prefill never enters, and no two noisy runs are subtracted. The ways:
 
 * ``ours``        -- the model's own decode loop over its caches (``model(token, start_pos, cache)``);
-* ``ours_traced`` -- ``tracing.runner.trace_tokens(generate=N)`` with the default sites;
+* ``ours_traced`` -- ``tracing.runner.trace_tokens(generate=N)`` with the default sites (its time
+  includes assembling the trace after the last step);
 * ``peer``        -- ``DeepseekV32ForCausalLM.generate(max_new_tokens=N)`` with its KV cache.
+
+Rounds run every way once each, in an order rotated per round, so background load falls on all
+alike; reported are the medians of the ms per token and of the per-round ratios.
 
 Targets: traced at most 1.2x untraced; untraced at least as fast as the peer. A decode step costs
 O(cache length): the figure at P = 512 against P = 64 shows it is not a re-run of the prefix.
@@ -52,23 +58,37 @@ def ours(model, ids: list[int], new: int) -> None:
         logits = model(torch.tensor([[token]]), start_pos=pos, cache=cache)
 
 
-def timed(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def decode_ms(model: torch.nn.Module, run) -> float:
+    """ms per decode step of one ``run()``: from the end of its first forward call (the prefill)
+    to the run's end, over the forward calls after it. (Ours feeds every generated token back;
+    generate() does not feed the last, so it makes N tokens in N - 1 steps.)"""
+    ends: list[float] = []
+    handle = model.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
+    try:
+        run()
+        done = time.perf_counter()
+    finally:
+        handle.remove()
+    if len(ends) < 2:
+        raise RuntimeError(f"expected a prefill and decode steps, saw {len(ends)} forward calls")
+    return (done - ends[0]) / (len(ends) - 1) * 1e3
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of the per-round ratios a / b."""
+    return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, nargs="+", default=[64, 512])
-    parser.add_argument("--new", type=int, default=32, help="tokens generated per run (default 32)")
+    parser.add_argument("--new", type=int, default=32, help="tokens generated per run (default 32, at least 2)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true")
     opts = parser.parse_args()
+    if opts.new < 2:
+        parser.error("--new must be at least 2 (the peer's generate makes its first token in the prefill)")
     torch.set_num_threads(opts.threads)
     args = bf.BENCH_ARGS
     workdir = Path(tempfile.gettempdir()) / f"dsv32-bench-forward-{bf.config_key(args, bf.SEED)}"
@@ -77,37 +97,44 @@ def main() -> None:
     peer = None if opts.no_peer else bf.load_peer(Path(ckpt["bf16"]), torch.bfloat16)[0]
     gen = torch.Generator().manual_seed(bf.SEED)
     result: dict = {
-        "benchmark": "ms per generated token (greedy, batch 1, bfloat16, CPU)",
+        "benchmark": "ms per decode step (greedy, batch 1, bfloat16, CPU)",
         "environment": {
             "torch": torch.__version__,
             "cpu": bf.cpu_name(),
             "cpu_products": ops.describe_cpu_route(),
             "threads": torch.get_num_threads(),
+            "load_average_start": bf.load_average(),
         },
         "new_tokens": opts.new,
+        "rounds": opts.rounds,
         "results": {},
     }
+    n = opts.new
     for prompt in opts.prompts:
         ids = torch.randint(2, args.vocab_size, (prompt,), generator=gen).tolist()
         ways = {
-            "ours": lambda n, ids=ids: ours(model, ids, n),
-            "ours_traced": lambda n, ids=ids: trace_tokens(model, ids, generate=n),
+            "ours": (model, lambda ids=ids: ours(model, ids, n)),
+            "ours_traced": (model, lambda ids=ids: trace_tokens(model, ids, generate=n)),
         }
         if peer is not None:
             x = torch.tensor([ids])
-            ways["peer"] = lambda n, x=x: peer.generate(x, max_new_tokens=max(n, 1), min_new_tokens=max(n, 1), do_sample=False)
-        cell = {}
+            ways["peer"] = (peer, lambda x=x: peer.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False))
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        names = list(ways)
         with torch.inference_mode():
-            for name, fn in ways.items():
-                fn(2)  # warm-up: weight copies, allocator
-                base = 1 if name == "peer" else 0  # generate() makes at least one token
-                full, short = timed(lambda fn=fn: fn(opts.new), opts.rounds), timed(lambda fn=fn, b=base: fn(b), opts.rounds)
-                cell[name] = round((full - short) / (opts.new - base) * 1e3, 2)
-                bf.log(f"P={prompt} {name}: {cell[name]} ms per token")
-        cell["traced_over_untraced"] = round(cell["ours_traced"] / cell["ours"], 3)
+            for _, run in ways.values():  # warm-up: weight copies, allocator
+                run()
+            for r in range(opts.rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    times[name].append(decode_ms(*ways[name]))
+        cell = {name: round(statistics.median(t), 2) for name, t in times.items()}
+        for name in names:
+            bf.log(f"P={prompt} {name}: {cell[name]} ms per step ({', '.join(f'{t:.1f}' for t in times[name])})")
+        cell["traced_over_untraced"] = median_ratio(times["ours_traced"], times["ours"])
         if "peer" in cell:
-            cell["peer_over_ours"] = round(cell["peer"] / cell["ours"], 3)
+            cell["peer_over_ours"] = median_ratio(times["peer"], times["ours"])
         result["results"][str(prompt)] = cell
+    result["environment"]["load_average_end"] = bf.load_average()
     print(json.dumps(result, indent=1))
 
 

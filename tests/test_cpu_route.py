@@ -20,18 +20,36 @@ DEMO_PROMPT = (
 )
 
 
-def test_the_route_follows_the_cpu_and_the_override(monkeypatch):
-    monkeypatch.delenv(ops.ROUTE_ENV, raising=False)
+@pytest.fixture
+def route_env(monkeypatch):
+    """Sets ANATOMY_CPU_BF16 as a process starting now would find it (it is read once per process)."""
+
+    def setting(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ops.ROUTE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ops.ROUTE_ENV, value)
+        ops.route_setting.cache_clear()
+
+    yield setting
+    monkeypatch.undo()
+    ops.route_setting.cache_clear()
+
+
+def test_the_route_follows_the_cpu_and_the_override(route_env, monkeypatch):
+    route_env(None)
     assert ops.native_bf16() == ops.has_bf16_units()
     assert ops.product_dtype(torch.float32) == torch.float32 and ops.product_dtype(torch.float16) == torch.float32
-    monkeypatch.setenv(ops.ROUTE_ENV, "float32")
+    route_env("float32")
     assert not ops.native_bf16() and ops.product_dtype(torch.bfloat16) == torch.float32
     assert ops.describe_cpu_route() == f"float32, rounded once ({ops.ROUTE_ENV}=float32)"
-    monkeypatch.setenv(ops.ROUTE_ENV, "native")
+    monkeypatch.setenv(ops.ROUTE_ENV, "native")  # read once: products do not look at the environment again
+    assert not ops.native_bf16()
+    route_env("native")
     assert ops.native_bf16() and ops.product_dtype(torch.bfloat16) == torch.bfloat16
     with ops.cpu_route(False):
         assert not ops.native_bf16()
-    monkeypatch.setenv(ops.ROUTE_ENV, "fast")
+    route_env("fast")
     assert ops.native_bf16() == ops.has_bf16_units() and "'fast' ignored" in ops.describe_cpu_route()
 
 
@@ -73,3 +91,25 @@ def test_native_bf16_products_move_no_selection(which, tiny_model, app_checkpoin
     logits_a, logits_b = exact["logits.last"], native["logits.last"]
     assert (logits_a - logits_b).abs().max() <= 0.02 * logits_a.abs().max()
     assert logits_a.argmax() == logits_b.argmax()
+
+
+def test_packed_products_give_the_plain_products_bits():
+    """Weights laid out once for oneDNN are used only where this machine multiplies them to
+    F.linear's bits; a bfloat16 Linear on the CPU then gives F.linear's bits through them."""
+    import torch.nn.functional as F
+
+    from model.linear import Linear
+
+    assert ops.pack(torch.randn(64, 128)) is None  # float32 products keep their own route
+    if not ops.packed_products_agree():
+        assert ops.pack(torch.randn(64, 128).to(torch.bfloat16)) is None
+        return
+    gen = torch.Generator().manual_seed(5)
+    for rows, k, n in ((1, 1024, 512), (7, 256, 2048), (129, 512, 320)):
+        weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(1, rows, k, generator=gen).to(torch.bfloat16)
+        assert torch.equal(ops.linear(x, None, ops.pack(weight)), F.linear(x, weight))
+        lin = Linear(k, n)
+        lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+        with torch.inference_mode(), ops.cpu_route(True):
+            assert torch.equal(lin(x), F.linear(x, weight)) and lin._pack(lin._prepared(x.dtype)[1]) is not None

@@ -231,6 +231,19 @@ def test_decode_without_passing_a_cache_continues_this_threads_prefill(tiny_fp32
     torch.testing.assert_close(step, full[:, 20], rtol=1e-4, atol=1e-4)
 
 
+def reference_moe_loop(moe, x, weights, indices):
+    """The reference's loop: for each expert in ascending order, y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
+    import torch.nn.functional as F
+
+    loop = torch.zeros_like(x, dtype=torch.float32)
+    for i, e in enumerate(moe.experts):
+        rows, slot = torch.where(indices == i)
+        if len(rows):
+            h = (F.silu(e.w1(x[rows]).float()) * e.w3(x[rows]).float()).type_as(x)
+            loop.index_add_(0, rows, e.w2(h) * weights[rows, slot, None])
+    return loop
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weights_form", ["fp8", "bf16", "float32", "fp8 amax/448 scales"])
@@ -238,8 +251,6 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
     """The sorted dispatch (inputs rounded to FP8 once per block, all experts in grouped products
     where the products allow) equals the reference's loop: for each expert in ascending order,
     y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
-    import torch.nn.functional as F
-
     source = {
         "fp8": tiny_source,
         "bf16": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
@@ -254,19 +265,30 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
     with torch.inference_mode(), cpu_route(native):
         weights, indices = moe.gate(x)
         routed = moe.route(x, weights, indices)
-        loop = torch.zeros_like(x, dtype=torch.float32)
-        for i, e in enumerate(moe.experts):
-            rows, slot = torch.where(indices == i)
-            if len(rows):
-                h = (F.silu(e.w1(x[rows]).float()) * e.w3(x[rows]).float()).type_as(x)
-                loop.index_add_(0, rows, e.w2(h) * weights[rows, slot, None])
-        assert torch.equal(routed, loop)
+        assert torch.equal(routed, reference_moe_loop(moe, x, weights, indices))
         # grouped products wherever dequantising first is exact (one CPU copy of each weight, shared)
         stacks = moe._stacked_weights(dtype)
         assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
         if stacks is not None:
             assert moe.experts[3].w2._prepared(dtype)[1].data_ptr() == stacks[1][3].data_ptr()
             assert moe.experts[3].w3._prepared(dtype)[1].data_ptr() == stacks[0][3, TINY.moe_inter_dim :].data_ptr()
+
+
+@pytest.mark.parametrize("grouped_from", [0, 1 << 30], ids=["grouped product", "one product per expert"])
+def test_stacked_experts_grouped_or_one_by_one_are_the_reference_loop(tiny_source, grouped_from, monkeypatch):
+    """Where the experts run from stacked copies (products formed in float32), one grouped product
+    over all experts and one product per expert that has rows give the reference loop's bits."""
+    from model import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_GROUPED_ROWS", grouped_from)
+    moe = load_model(tiny_source, dtype=torch.bfloat16).layers[1].ffn
+    x = torch.randn(40, TINY.dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode(), cpu_route(False):
+        weights, indices = moe.gate(x)
+        prepared = moe._expert_weights(x.dtype)
+        assert prepared is not None and prepared.w13 is not None
+        routed = moe.route(x, weights, indices)
+        assert torch.equal(routed, reference_moe_loop(moe, x, weights, indices))
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
