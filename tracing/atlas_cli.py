@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import InputError
-from .loading import add_device_options
+from .loading import add_device_options, add_source_options
 
 
 def add_parser(sub) -> None:
@@ -17,10 +17,7 @@ def add_parser(sub) -> None:
         help="count routing and sparse attention over a corpus: expert load, co-activation, specialisation, "
         "bias effect, indexer reach, recall and sinks (Parquet tables and summary.json)",
     )
-    src = atlas.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
-    src.add_argument("--synthetic", metavar="CONFIG", help="synthetic weights of this config (needs --tokenizer)")
-    atlas.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+    add_source_options(atlas, "synthetic weights of this config (needs --tokenizer)")
     atlas.add_argument("--tokenizer", metavar="DIR", help="with --synthetic: a directory with tokenizer.json, or 'demo'")
     texts = atlas.add_mutually_exclusive_group()
     texts.add_argument("--text-file", action="append", metavar="F", help="a UTF-8 text file (repeat for more)")
@@ -55,7 +52,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
 
     from .atlas import AtlasJob
     from .corpus import Source
-    from .loading import DEMO, open_checkpoint, open_synthetic, parse_device, parse_dtype, resolve_checkpoint
+    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint
     from .tokenizer import Tokenizer
 
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
@@ -91,12 +88,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
         label=label,
         resume=args.resume,
     )
-    stream = True if args.stream else None  # None: stream when the model does not fit in memory
-    split = args.parallel == "model"
-    if args.synthetic:
-        loaded = open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, split=split)
-    else:
-        loaded = open_checkpoint(args.checkpoint, device, dtype, stream, split=split)
+    loaded = open_from_args(args, device, dtype, split=args.parallel == "model")
     draw = int(os.environ.get("RANK", "0")) == 0 and sys.stderr.isatty()
     job.run(loaded, checkpoint_every=args.checkpoint_every, progress=draw)
     return 0

@@ -21,7 +21,15 @@ from model.progress import ProgressBar
 
 from . import atlas_cli
 from .errors import InputError
-from .loading import add_device_options, open_checkpoint, open_synthetic, parse_device, parse_dtype, resolve_checkpoint
+from .loading import (
+    add_device_options,
+    add_source_options,
+    open_checkpoint,
+    open_from_args,
+    parse_device,
+    parse_dtype,
+    resolve_checkpoint,
+)
 from .tokenizer import TokenizerError
 from .trace import Trace, TraceError
 
@@ -72,21 +80,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         asked = {p.strip() for p in args.record.split(",")} | ({"attribution"} if args.attribute else set())
         refuse_parallel(asked & {"attribution", "flow"})
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
-    stream = True if args.stream else None  # None: stream when the model does not fit in memory
     draw = rank0 and sys.stderr.isatty()  # a progress bar redrawn in place is for a terminal, not a log
     stream_progress = None
     if draw:
         from model.stream import print_progress
 
         stream_progress = print_progress()
-    if args.synthetic:
-        if args.prompt is not None:
-            raise InputError("synthetic weights have no tokenizer: pass --token-ids instead of --prompt")
-        loaded = open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, stream_progress)
-    else:
-        if args.n_layers is not None:
-            raise InputError("--n-layers applies to --synthetic only")
-        loaded = open_checkpoint(args.checkpoint, device, dtype, stream, stream_progress)
+    if args.synthetic and args.prompt is not None:
+        raise InputError("synthetic weights have no tokenizer: pass --token-ids instead of --prompt")
+    loaded = open_from_args(args, device, dtype, stream_progress)
     tokenizer = loaded.tokenizer
     if args.prompt is not None:
         if tokenizer is None:
@@ -268,10 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="trace one prompt into a .safetensors trace file")
-    src = run.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
-    src.add_argument("--synthetic", metavar="CONFIG", help="synthetic weights of this config (no download)")
-    run.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+    add_source_options(run, "synthetic weights of this config (no download)")
     inp = run.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
     inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")

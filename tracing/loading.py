@@ -41,6 +41,24 @@ def add_device_options(parser) -> None:
     )
 
 
+def add_source_options(parser, synthetic_help: str) -> None:
+    """--checkpoint DIR | --synthetic CONFIG [--n-layers N]: the model a command runs."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
+    src.add_argument("--synthetic", metavar="CONFIG", help=synthetic_help)
+    parser.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+
+
+def open_from_args(args, device, dtype, progress=None, split: bool = True) -> Loaded:
+    """The model that :func:`add_source_options` and :func:`add_device_options` named."""
+    stream = True if args.stream else None  # None: stream when the model does not fit in memory
+    if args.synthetic:
+        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split)
+    if args.n_layers is not None:
+        raise InputError("--n-layers applies to --synthetic only")
+    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split)
+
+
 def parse_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
