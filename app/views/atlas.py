@@ -5,6 +5,7 @@ Needs no trace and no model."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import streamlit as st
 
@@ -29,8 +30,6 @@ def _open_zip(digest: str, data: bytes, name: str, limit: int) -> Atlas:
 
 
 def _stamp(path: str) -> tuple:
-    from pathlib import Path
-
     folder = Path(path)
     files = sorted(folder.glob("*.parquet")) + [folder / "summary.json"]
     return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
@@ -127,9 +126,10 @@ def _expert_load(atlas: Atlas) -> None:
 def _one_expert(atlas: Atlas, moe: list[int]) -> None:
     left, right = st.columns(2)
     block = left.selectbox("Block", moe, key="atlas_block", format_func=lambda b: f"block {b}")
-    n = topic.pair_matrix(atlas, block).shape[0]
+    matrix = topic.pair_matrix(atlas, block)
+    n = matrix.shape[0]
     expert = right.number_input("Expert", min_value=0, max_value=n - 1, step=1, key="atlas_expert")
-    card = topic.expert_card(atlas, block, int(expert), topic.pair_matrix(atlas, block))
+    card = topic.expert_card(atlas, block, int(expert), matrix)
     st.markdown(
         f"**Expert {expert} of block {block}**: chosen for {card['count']:,} tokens ({card['share'] * 100:.2f}% of the "
         f"block's selections, uniform {100 / n:.2f}%), mean gate weight {card['mean_weight']:.3f}."
