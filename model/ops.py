@@ -28,6 +28,8 @@ import torch.nn.functional as F
 _LOW = (torch.bfloat16, torch.float16)
 _FORCED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("native_bf16", default=None)
 ROUTE_ENV = "ANATOMY_CPU_BF16"
+NATIVE_SETTINGS = ("native", "bf16", "bfloat16")  # the values of ROUTE_ENV that choose each route
+FLOAT32_SETTINGS = ("float32", "f32", "fp32")
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,9 +54,9 @@ def native_bf16() -> bool:
     if forced is not None:
         return forced
     setting = route_setting().lower()
-    if setting in ("native", "bf16", "bfloat16"):
+    if setting in NATIVE_SETTINGS:
         return True
-    if setting in ("float32", "f32", "fp32"):
+    if setting in FLOAT32_SETTINGS:
         return False
     return has_bf16_units()
 
@@ -73,7 +75,7 @@ def describe_cpu_route() -> str:
     """One line for ``info`` and the app: which route, and why."""
     units = "has bf16 units" if has_bf16_units() else "has no bf16 units"
     setting = route_setting()
-    known = setting.lower() in ("native", "bf16", "bfloat16", "float32", "f32", "fp32")
+    known = setting.lower() in NATIVE_SETTINGS + FLOAT32_SETTINGS
     why = f"{ROUTE_ENV}={setting}" if known else f"this CPU {units}"
     if setting and not known:
         why += f"; {ROUTE_ENV}={setting!r} ignored: say native or float32"
