@@ -84,15 +84,21 @@ class Indexer(nn.Module):
         return self.topk_indices(topk_indices)
 
 
+def selected_keys(topk_indices: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Bool (..., S) from selections (..., K): True on each chosen key; entries of -1 choose nothing."""
+    slot = torch.where(topk_indices < 0, n_keys, topk_indices)  # -1 goes to a spare column
+    keep = topk_indices.new_zeros(*topk_indices.shape[:-1], n_keys + 1, dtype=torch.bool).scatter_(-1, slot, True)
+    return keep[..., :n_keys]
+
+
 def sparse_mask(topk_indices: torch.Tensor, n_keys: int, causal: torch.Tensor | None) -> torch.Tensor:
     """Additive float32 mask (B, T, S): 0 on the selected keys, -inf elsewhere and in the future.
 
     Entries of -1 select nothing; selections after the query are removed by the causal mask.
     """
     bsz, seqlen, _ = topk_indices.shape
-    slot = torch.where(topk_indices < 0, n_keys, topk_indices)  # -1 goes to a spare column
-    keep = topk_indices.new_zeros(bsz, seqlen, n_keys + 1, dtype=torch.bool).scatter_(-1, slot, True)
-    mask = torch.zeros(bsz, seqlen, n_keys, device=topk_indices.device).masked_fill_(~keep[..., :n_keys], float("-inf"))
+    keep = selected_keys(topk_indices, n_keys)  # (B, T, S)
+    mask = torch.zeros(bsz, seqlen, n_keys, device=topk_indices.device).masked_fill_(~keep, float("-inf"))
     if causal is not None:
         mask += causal
     return mask

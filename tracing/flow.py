@@ -34,6 +34,7 @@ from functools import partial
 
 import torch
 
+from model.indexer import selected_keys
 from model.moe import MoE
 
 from .heads import HeadReads, wo_columns
@@ -90,13 +91,6 @@ def ffn_flow(parts: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> 
     """Shares of each position's stream after the FFN (``after``, T x D) that each part (T, P, D)
     brought, and that the stream ``before`` it kept (T,)."""
     return _normalised(proximity(parts.transpose(0, 1), after).T, proximity(before, after))
-
-
-def selected_keys(topk: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """(T, S) bool from the indexer's selection (T, K), -1 meaning none."""
-    slots = torch.where(topk < 0, n_keys, topk)
-    grid = torch.zeros(topk.shape[0], n_keys + 1, dtype=torch.bool, device=topk.device)
-    return grid.scatter_(-1, slots, True)[:, :n_keys]
 
 
 class Flow:
