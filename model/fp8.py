@@ -245,7 +245,7 @@ def _blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor
     out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
     for kb in range(k // BLOCK):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
-        partial = a[:, cols] @ w_codes[:, cols].t()  # (M, N)
+        partial = ops.threaded(m * n * BLOCK, torch.matmul, a[:, cols], w_codes[:, cols].t())  # (M, N)
         out += partial * (a_scale[:, kb, None] * b_scale[None, :, kb])
     return out
 
@@ -282,7 +282,8 @@ def fp8_index(
         stop = min(start + chunk, q.shape[1])
         n = min(n_keys, causal_from + stop) if skip else n_keys  # the keys this chunk's queries see
         qf = _codes_float(q[:, start:stop], finite)
-        logits = torch.einsum("bmhd,bnd->bmnh", qf, kf[:, :n]).relu_()  # (B, m, n, H)
+        keys, work = kf[:, :n], qf.numel() * n
+        logits = ops.threaded(work, torch.einsum, "bmhd,bnd->bmnh", qf, keys).relu_()  # (B, m, n, H)
         out[:, start:stop, :n] = logits.mul_(weights[:, start:stop, None, :]).sum(-1)
     return out.mul_(k_scale[:, None, :])
 
@@ -328,4 +329,4 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     """
     n = x.shape[-1]
     h = _hadamard(n, str(x.device))
-    return torch.matmul(x.float(), h).mul_(n**-0.5).to(x.dtype)
+    return ops.threaded(x.numel() * n, torch.matmul, x.float(), h).mul_(n**-0.5).to(x.dtype)

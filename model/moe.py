@@ -138,7 +138,7 @@ class Gate(nn.Module):
         self.topk_weights = HookPoint("N k")  # their gating weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float())  # (N, E)
+        scores = ops.threaded(x.numel() * self.weight.shape[0], F.linear, x.float(), self.weight.float())  # (N, E)
         scores = scores.softmax(dim=-1) if self.score_func == "softmax" else scores.sigmoid()
         rule = RouterRule(self.n_groups, self.topk_groups, self.topk, self.score_func, self.route_scale)
         chosen = select_experts(self.scores(scores), self.bias, rule, at=self._hook_point)
@@ -251,7 +251,7 @@ class MoE(nn.Module):
 
         def product(a: torch.Tensor, stack: torch.Tensor | None, packed: list | None) -> torch.Tensor:
             if grouped:
-                return _grouped_mm(a, stack.transpose(1, 2), offs=offs)
+                return ops.threaded(a.numel() * stack.shape[1], _grouped_mm, a, stack.transpose(1, 2), offs=offs)
             rows = a.split(counts)  # each expert's rows
             if packed is not None:
                 return torch.cat([ops.linear(rows[j], None, packed[j]) for j in used])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8
+from . import fp8, ops
 from .attention import MLA
 from .cache import Cache, LayerCache
 from .config import ModelArgs
@@ -175,12 +175,13 @@ class Transformer(nn.Module):
         freqs_cis = self._freqs_cis(end_pos, device)[start_pos:end_pos]
         # the reference masks only when several positions run at once; one position sees all keys
         mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
-        h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, start_pos, freqs_cis, mask, cache.layers[i])
-        h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
-        if all_logits:
-            logits = self.logits.all(self.head(h.float()))  # (B, T, V)
-            self.logits.last(logits[:, -1])
-            return logits
-        return self.logits.last(self.head(h[:, -1].float()))  # (B, V)
+        with ops.serial_passes(device):
+            h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
+            for i, layer in enumerate(self.layers):
+                h, residual = layer(h, residual, start_pos, freqs_cis, mask, cache.layers[i])
+            h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
+            if all_logits:
+                logits = self.logits.all(self.head(h.float()))  # (B, T, V)
+                self.logits.last(logits[:, -1])
+                return logits
+            return self.logits.last(self.head(h[:, -1].float()))  # (B, V)

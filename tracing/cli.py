@@ -15,7 +15,7 @@ from pathlib import Path
 
 from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
 from model.config import ConfigError, ModelArgs
-from model.ops import describe_cpu_route
+from model.ops import describe_cpu_route, describe_threads
 from model.params import count_params
 from model.progress import ProgressBar
 
@@ -222,6 +222,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         dtype=config.dtype,
         config=config.to_reference(),
         cpu_products=describe_cpu_route(),
+        cpu_threads=describe_threads(),
     )
     if args.tensors:
         specs = expected_specs(config)

@@ -1,0 +1,116 @@
+"""How a CPU forward uses its threads: passes on one, large products on all, and the same bits."""
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from model import ops
+from model.checkpoint import load_model
+from tracing.runner import trace_tokens
+
+
+@pytest.fixture
+def parallel_env(monkeypatch):
+    """Sets ANATOMY_PARALLEL_WORK as a process starting now would find it (read once per process),
+    on two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def setting(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ops.PARALLEL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ops.PARALLEL_ENV, value)
+        ops.parallel_work.cache_clear()
+
+    yield setting
+    monkeypatch.undo()
+    ops.parallel_work.cache_clear()
+    torch.set_num_threads(threads)
+
+
+def test_passes_run_on_one_thread_and_large_products_on_all(parallel_env):
+    parallel_env(None)
+    seen = []
+    with ops.serial_passes(torch.device("cpu")):
+        seen.append(torch.get_num_threads())
+        ops.threaded(ops.parallel_work() - 1, lambda: seen.append(torch.get_num_threads()))
+        ops.threaded(ops.parallel_work(), lambda: seen.append(torch.get_num_threads()))
+        with ops.serial_passes(torch.device("cpu")):  # nested: still one pass
+            seen.append(torch.get_num_threads())
+        seen.append(torch.get_num_threads())
+    assert seen == [1, 1, 2, 1, 1] and torch.get_num_threads() == 2
+    ops.threaded(1 << 40, lambda: seen.append(torch.get_num_threads()))  # outside: as torch is set
+    assert seen[-1] == 2
+    with pytest.raises(RuntimeError), ops.serial_passes(torch.device("cpu")):
+        ops.threaded(1 << 40, lambda: (_ for _ in ()).throw(RuntimeError("a product failed")))
+    assert torch.get_num_threads() == 2  # restored on the way out of a failure
+    with ops.serial_passes(torch.device("meta")):
+        assert torch.get_num_threads() == 2
+    parallel_env("0")
+    with ops.serial_passes(torch.device("cpu")):
+        assert torch.get_num_threads() == 2
+    assert "every pass" in ops.describe_threads()
+    parallel_env("junk")
+    assert ops.parallel_work() == ops._PARALLEL_WORK
+
+
+def test_another_thread_keeps_its_own_setting(parallel_env):
+    """The app traces in a script thread: one thread's serial pass is not another's."""
+    parallel_env(None)
+    seen = {}
+
+    def other():
+        torch.set_num_threads(2)
+        seen["other"] = ops._THREADS.get()
+
+    with ops.serial_passes(torch.device("cpu")):
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+    assert seen["other"] == 0
+
+
+def _traces(model, ids):
+    """A trace of every default site plus all logits, prefill and three decode steps."""
+    return trace_tokens(model, ids, prefill=len(ids) - 3)
+
+
+@pytest.mark.parametrize("which", ["tiny", "demo"])
+def test_the_thread_policy_leaves_every_bit(which, parallel_env, tiny_model, app_checkpoint):
+    """Every recorded value (selections, scores, residual stream, logits) is the same bit for bit
+    with torch's threading (every pass on both threads), with the passes on one thread and every
+    product on both, and with everything on one thread."""
+    if which == "tiny":
+        model, ids = tiny_model, [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3, 19, 400, 11, 76, 5, 17]
+    else:
+        path = "assets/demo" if app_checkpoint == "demo" else app_checkpoint
+        model = load_model(path)
+        ids = torch.randint(2, model.args.vocab_size, (96,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+    for setting in ("0", "1", str(1 << 40)):
+        parallel_env(setting)
+        runs[setting] = _traces(model, ids)
+    base = runs.pop("0")
+    assert any(name.endswith("topk_indices") for name in base.tensors) and "logits.last" in base.tensors
+    for setting, trace in runs.items():
+        assert set(trace.tensors) == set(base.tensors)
+        for name in base.tensors:
+            assert torch.equal(trace[name], base[name]), (setting, name)
+
+
+def test_info_names_the_threads():
+    env = {"ANATOMY_PARALLEL_WORK": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "tracing", "info", "--config", "assets/configs/config_671B_hf.json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    threads = json.loads(out)["cpu_threads"]
+    assert threads == "1 thread" or threads.endswith("for every pass (ANATOMY_PARALLEL_WORK=0)")
