@@ -210,17 +210,18 @@ class MoE(nn.Module):
         prepared = self._expert_weights(x.dtype)
         if prepared is not None:  # every expert's products from weights prepared once: the same products
             out = self._experts(x if rounded is None else rounded, tokens, prepared, counts, x.dtype)
-            out = out.index_select(0, by_token)
-            contrib = out.view(n, k, self.dim).float().mul_(weights.flatten()[order[by_token]].view(n, k, 1))
+            out = ops.gather(out, by_token).view(n, k, self.dim)
+            scale = weights.flatten()[order[by_token]].view(n, k, 1)
+            contrib = ops.threaded(out.numel() * ops.VALUE_WORK, lambda: out.float().mul_(scale))
         else:  # each expert's own module (an expert held by another rank is skipped)
-            rows = rounded.rows(tokens) if rounded is not None else x.index_select(0, tokens)  # (N * k, D)
+            rows = rounded.rows(tokens) if rounded is not None else ops.gather(x, tokens)  # (N * k, D)
             scale = weights.flatten()[order, None]
             out = torch.zeros(n * k, self.dim, dtype=torch.float32, device=x.device)
             for j, end in enumerate(itertools.accumulate(counts)):
                 span = slice(end - counts[j], end)  # expert j's rows
                 if counts[j] and self.experts[j] is not None:
                     out[span] = self.experts[j](rows[span]) * scale[span]
-            contrib = out.index_select(0, by_token).view(n, k, self.dim)
+            contrib = ops.gather(out, by_token).view(n, k, self.dim)
         slots = self.gather_slots(contrib)  # (N, k, D)
         return self.add_slots(self.expert_out(slots))  # (N, D)
 
@@ -258,7 +259,7 @@ class MoE(nn.Module):
             return torch.cat([F.linear(rows[j], stack[j]) for j in used])
 
         a = x.values(w.dtype) if isinstance(x, fp8.Rounded) else x.to(w.dtype)
-        both = product(a.index_select(0, tokens), w.w13, w.packed13)  # (N k, 2 inter): w1 x, w3 x
+        both = product(ops.gather(a, tokens), w.w13, w.packed13)  # (N k, 2 inter): w1 x, w3 x
         gate, up = both[:, : w.inter].to(dtype), both[:, w.inter :].to(dtype)
         hidden = (F.silu(gate.float()) * up.float()).to(dtype)
         h = fp8.Rounded.of(hidden, self.scale_fmt).values(w.dtype) if self.fp8 else hidden.to(w.dtype)

@@ -42,6 +42,9 @@ PARALLEL_ENV = "ANATOMY_PARALLEL_WORK"
 # multiply-adds from which a product uses every thread: on a 2-core EPYC a one-row product of a
 # 1024 x 2816 bfloat16 weight (2.9M) gains from the second thread only when that thread is awake
 _PARALLEL_WORK = 1 << 22
+# what a pass over one value counts as, in multiply-adds: gathers of 3M values ran faster on two
+# threads there, of 0.8M on one (a fresh buffer's pages are faulted in by the thread that writes them)
+VALUE_WORK = 2
 _THREADS: contextvars.ContextVar[int] = contextvars.ContextVar("serial_threads", default=0)
 
 
@@ -137,6 +140,11 @@ def threaded(work: int, product, *args, **kwargs):
         torch.set_num_threads(1)
 
 
+def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index), threaded by the values it writes."""
+    return threaded(index.numel() * x[0].numel() * VALUE_WORK, torch.index_select, x, 0, index)
+
+
 def describe_threads() -> str:
     """One line for ``info`` and the app: how a CPU forward uses its threads."""
     threads, work = torch.get_num_threads(), parallel_work()
@@ -224,5 +232,6 @@ def topk(x: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Te
     """The k largest values along ``dim`` and their indices, best first; among equal values the
     lower index wins, as CUDA's top-k fills ties in index order (CPU top-k leaves ties unordered).
     Index scores tie often: the ReLU makes whole rows of exact zeros."""
-    values, indices = torch.sort(x, dim=dim, descending=True, stable=True)
+    work = x.numel() * max(1, x.shape[dim]).bit_length() * VALUE_WORK
+    values, indices = threaded(work, torch.sort, x, dim=dim, descending=True, stable=True)
     return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
