@@ -247,23 +247,35 @@ class MoE(nn.Module):
         product: the same values). Stacked weights and many rows: one grouped product over all
         experts; else one product per expert that has rows."""
         grouped = w.w13 is not None and len(tokens) >= _GROUPED_ROWS
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32) if grouped else None
-        used = [j for j, c in enumerate(counts) if c]
-
-        def product(a: torch.Tensor, stack: torch.Tensor | None, packed: list | None) -> torch.Tensor:
-            if grouped:
-                return ops.threaded(a.numel() * stack.shape[1], _grouped_mm, a, stack.transpose(1, 2), offs=offs)
-            rows = a.split(counts)  # each expert's rows
-            if packed is not None:
-                return torch.cat([ops.linear(rows[j], None, packed[j]) for j in used])
-            return torch.cat([F.linear(rows[j], stack[j]) for j in used])
-
         a = x.values(w.dtype) if isinstance(x, fp8.Rounded) else x.to(w.dtype)
-        both = product(ops.gather(a, tokens), w.w13, w.packed13)  # (N k, 2 inter): w1 x, w3 x
+        a = ops.gather(a, tokens)  # (N k, D)
+        if grouped:
+            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+            both = ops.threaded(a.numel() * w.w13.shape[1], _grouped_mm, a, w.w13.transpose(1, 2), offs=offs)
+            h = self._hidden(both, w, dtype)
+            return ops.threaded(h.numel() * w.w2.shape[1], _grouped_mm, h, w.w2.transpose(1, 2), offs=offs).to(dtype)
+        rows = a.split(counts)  # each expert's rows
+
+        def product(j: int, b: torch.Tensor, first: bool) -> torch.Tensor:
+            packed = w.packed13 if first else w.packed2
+            if packed is not None:
+                return ops.linear(b, None, packed[j])
+            return F.linear(b, (w.w13 if first else w.w2)[j])
+
+        def part(experts: list[int]) -> list[torch.Tensor]:
+            both = torch.cat([product(j, rows[j], True) for j in experts])  # (n, 2 inter): w1 x, w3 x
+            hidden = self._hidden(both, w, dtype).split([counts[j] for j in experts])
+            return [product(j, b, False) for j, b in zip(experts, hidden, strict=True)]
+
+        used = [j for j, c in enumerate(counts) if c]
+        per_row = a.shape[1] * 3 * w.inter  # multiply-adds of one row through an expert
+        return torch.cat(ops.spread(part, used, [counts[j] * per_row for j in used])).to(dtype)  # (N k, D)
+
+    def _hidden(self, both: torch.Tensor, w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
+        """silu(w1 x) * w3 x from [w1 x, w3 x], rounded as w2's input (rows independently)."""
         gate, up = both[:, : w.inter].to(dtype), both[:, w.inter :].to(dtype)
         hidden = (F.silu(gate.float()) * up.float()).to(dtype)
-        h = fp8.Rounded.of(hidden, self.scale_fmt).values(w.dtype) if self.fp8 else hidden.to(w.dtype)
-        return product(h, w.w2, w.packed2).to(dtype)  # (N k, D)
+        return fp8.Rounded.of(hidden, self.scale_fmt).values(w.dtype) if self.fp8 else hidden.to(w.dtype)
 
     def _expert_weights(self, dtype: torch.dtype) -> ExpertWeights | None:
         """Every expert's weights prepared for products of ``dtype`` activations: laid out for oneDNN

@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,37 @@ def threaded(work: int, product, *args, **kwargs):
         return product(*args, **kwargs)
     finally:
         torch.set_num_threads(1)
+
+
+def spread(run, items: list, work: list[int]) -> list:
+    """``run(part)`` for contiguous parts of ``items``, one part per thread, concatenated in order:
+    inside :func:`serial_passes`, when the items' ``work`` adds up to :func:`parallel_work`, the
+    parts run at once on helper threads, each product on one thread (a MoE block's experts: one
+    hand-off per block instead of a thread wake-up in every expert's products). Else
+    ``run(items)``."""
+    threads, total = _THREADS.get(), sum(work)
+    if threads < 2 or len(items) < 2 or total < parallel_work():
+        return run(items)
+    parts, start, done = [], 0, 0
+    for i, w in enumerate(work):  # cut where the running work passes each thread's share
+        done += w
+        if done * threads >= total * (len(parts) + 1) and i + 1 < len(items) and len(parts) < threads - 1:
+            parts.append(items[start : i + 1])
+            start = i + 1
+    parts.append(items[start:])
+    token = _THREADS.set(1)  # this thread's part runs serially too
+    try:
+        futures = [_helpers(threads - 1).submit(run, part) for part in parts[1:]]
+        first = run(parts[0])
+        return first + [out for f in futures for out in f.result()]
+    finally:
+        _THREADS.reset(token)
+
+
+@functools.lru_cache(maxsize=4)
+def _helpers(n: int) -> ThreadPoolExecutor:
+    """Helper threads for :func:`spread`, each multiplying on one thread."""
+    return ThreadPoolExecutor(n, thread_name_prefix="anatomy-spread", initializer=torch.set_num_threads, initargs=(1,))
 
 
 def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
