@@ -126,6 +126,10 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, int]) -> to
 def weight_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """fp8 weight [N, K] times its block scales [ceil(N/128), ceil(K/128)]."""
     check_scale_shape(weight.shape, scale.shape)
+    return ops.threaded(weight.numel() * ops.VALUE_WORK, _weight_dequant, weight, scale, dtype)
+
+
+def _weight_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (to_float(weight) * expand_scale(scale.float(), weight.shape)).to(dtype)
 
 
