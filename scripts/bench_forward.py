@@ -1,7 +1,7 @@
 """Prefill throughput of our model against transformers' DeepSeek-V3.2, on the same weights, on this CPU.
 
     python scripts/bench_forward.py                 # T in {128, 512}, float32 and bfloat16, 3 rounds
-    python scripts/bench_forward.py --reps 5 --tokens 128 --prototype
+    python scripts/bench_forward.py --reps 11 --routes native --dtypes bfloat16 float32
 
 A benchmark run by hand, not a test; it prints one JSON object on stdout (progress on stderr).
 
@@ -27,10 +27,6 @@ on all sides alike. Reported: median seconds, tokens/s and process CPU seconds p
 (also on CPU time, and best round against best round). Absolute numbers on a shared 2-core machine
 are noisy; rely on the ratios.
 
-``--prototype`` adds ``ours_fp8_proto`` and ``ours_bf16_proto``: our model with the changes this
-benchmark recommends for ``model/`` (see ``apply_prototype``) patched onto the instances in this
-process only, and checks their logits against the unpatched model's.
-
 Agreement (float32 activations): last-position logits of each of our forms against the peer's on the
 warm-up input. Differences come from the reference's quirks that our model keeps and the peer drops
 (FP8 rounding of the KV latent, FP8 indexer q/k with the Hadamard rotation, FP8 activations in the
@@ -52,7 +48,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from unittest import mock
 
@@ -66,12 +61,9 @@ from model import ModelArgs  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from model import fp8, ops  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
-from model.linear import Linear  # noqa: E402
-from model.moe import MLP, MoE  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 
 THREADS = 2
@@ -267,88 +259,6 @@ def no_kv_fp8():
         yield
 
 
-# --- prototype of the recommended model/ changes (--prototype; this process only) ------------------
-def _weight32(linear: Linear) -> torch.Tensor:
-    """The float32 weight a product uses: the dequantised FP8 cache, or a cached float32 copy."""
-    if linear.scale is not None:
-        return linear.dequantized(torch.float32)  # the cached copy (power-of-two scales)
-    cached = linear.__dict__.get("_proto_w32")
-    if cached is None or cached[0] is not linear.weight:
-        cached = (linear.weight, linear.weight.float())
-        linear.__dict__["_proto_w32"] = cached
-    return cached[1]
-
-
-def _quant_rows(x: torch.Tensor, linear: Linear) -> torch.Tensor:
-    """What fp8_gemm multiplies: x quantised per 128 and dequantised, float32 (rows are independent)."""
-    return x.float() if linear.scale is None else fp8.act_dequant(*fp8.act_quant(x, linear.scale_fmt))
-
-
-def proto_linear_forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
-    """Non-FP8 weights on the CPU: product in float32 from a cached float32 weight, rounded once."""
-    if self.scale is None and x.device.type == "cpu":
-        return F.linear(x.float(), _weight32(self)).to(x.dtype)
-    return Linear.forward(self, x)
-
-
-def _swiglu(mlp: MLP, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w1 and w3 in one product from a cached float32 [w1; w3] (bit-identical to two products here)."""
-    cached = mlp.__dict__.get("_proto_w13")
-    if cached is None:
-        cached = torch.cat([_weight32(mlp.w1), _weight32(mlp.w3)])
-        mlp.__dict__["_proto_w13"] = cached
-    h1, h3 = torch.matmul(a, cached.t()).split(mlp.w1.out_features, dim=-1)
-    return (F.silu(h1.to(dtype).float()) * h3.to(dtype).float()).to(dtype)
-
-
-def proto_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
-    """One activation quantisation for w1 and w3 (they read the same x)."""
-    return self.w2(_swiglu(self, _quant_rows(x, self.w1), x.dtype))
-
-
-def proto_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Sorted dispatch: the MoE input quantised once, every expert's hidden quantised once, outputs
-    summed per token in ascending expert order (as the index_add_ loop adds them); no index_add_,
-    no per-expert torch.where."""
-    shape = x.size()
-    x = x.view(-1, self.dim)
-    weights, indices = self.gate(x)
-    n, k = indices.shape
-    flat = indices.flatten()
-    order = torch.argsort(flat, stable=True)  # slots by expert, tokens ascending within an expert
-    counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()
-    token = order // k
-    first = next(e for e in self.experts if e is not None)
-    a = _quant_rows(x, first.w1)[token]  # (N k, D)
-    hidden = x.new_zeros(n * k, first.w1.out_features)
-    spans, start = [], 0
-    for i, c in enumerate(counts):
-        if c and self.experts[i] is not None:
-            hidden[start : start + c] = _swiglu(self.experts[i], a[start : start + c], x.dtype)
-            spans.append((i, start, start + c))
-        start += c
-    hq = _quant_rows(hidden, first.w2)
-    out = torch.zeros(n * k, self.dim)
-    for i, s, t in spans:
-        out[s:t] = torch.matmul(hq[s:t], _weight32(self.experts[i].w2).t()).to(x.dtype)
-    out *= weights.flatten()[order, None]
-    back = torch.argsort(token * self.n_routed_experts + flat[order])  # (token, expert) order
-    y = self.routed_out(out[back].view(n, k, self.dim).sum(1))
-    y = y + self.shared_out(self.shared_experts(x))
-    return y.type_as(x).view(shape)
-
-
-def apply_prototype(model: torch.nn.Module) -> torch.nn.Module:
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.forward = types.MethodType(proto_linear_forward, module)
-        elif isinstance(module, MoE):
-            module.forward = types.MethodType(proto_moe_forward, module)
-        elif type(module) is MLP:
-            module.forward = types.MethodType(proto_mlp_forward, module)
-    return model
-
-
 # --- timing -----------------------------------------------------------------------------------------
 def time_cell(fns: dict, ids: torch.Tensor, reps: int, budget_s: float) -> tuple[dict, dict]:
     """``reps`` rounds (fewer if the budget runs out, at least one), each model once per round in an
@@ -407,9 +317,6 @@ def main() -> None:
         default=None,
         help="our CPU routes for bfloat16 products, each timed (default: both where the CPU has bf16 units, else float32)",
     )
-    parser.add_argument(
-        "--prototype", action="store_true", help="also time our model with the recommended changes, monkeypatched here"
-    )
     opts = parser.parse_args()
 
     torch.set_num_threads(opts.threads)
@@ -420,8 +327,8 @@ def main() -> None:
     result: dict = {
         "benchmark": "prefill tokens/s, last-position logits, batch 1, CPU",
         "note": (
-            f"torch.set_num_threads({opts.threads}) on a 2-core CPU shared with a colleague's training job (see the load "
-            "averages): absolute times are inflated and noisy. Rounds are interleaved (order rotated per round) so load "
+            f"torch.set_num_threads({opts.threads}); on a shared machine (see the load averages) absolute times are "
+            "inflated and noisy. Rounds are interleaved (order rotated per round) so load "
             "falls on every model alike; OMP_WAIT_POLICY is PASSIVE unless set (environment.omp_env). Rely on the "
             "ratios: speedup_vs_peer = peer time / our time (> 1: ours faster), "
             "median of per-round ratios of wall time; _cpu_time the same on process CPU time; _best_of on the fastest rounds"
@@ -433,6 +340,7 @@ def main() -> None:
             "cpu": cpu_name(),
             "cpu_bf16_units": ops.has_bf16_units(),
             "cpu_route_default": ops.describe_cpu_route(),
+            "cpu_threads": ops.describe_threads(),
             "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "load_average_start": load_average(),
@@ -449,14 +357,10 @@ def main() -> None:
 
     result["results"] = {}
     agreement: dict = {}
-    exactness: dict = {}
     for dname in opts.dtypes:
         dtype = DTYPES[dname]
         log(f"loading models ({dname})")
         models = {"ours_fp8": load_model(ckpt["fp8"], dtype=dtype), "ours_bf16": load_model(ckpt["bf16"], dtype=dtype)}
-        if opts.prototype:
-            models["ours_fp8_proto"] = apply_prototype(load_model(ckpt["fp8"], dtype=dtype))
-            models["ours_bf16_proto"] = apply_prototype(load_model(ckpt["bf16"], dtype=dtype))
         if not opts.no_peer:
             peer, peer_info = load_peer(Path(ckpt["bf16"]), dtype)
             result.setdefault("peer", peer_info)
@@ -480,12 +384,6 @@ def main() -> None:
         for t, ids in inputs.items():
             log(f"{dname} T={t}: up to {opts.reps} rounds, about {cell_budget:.0f} s")
             cells[str(t)], logits = time_cell(fns, ids, opts.reps, cell_budget)
-            for form in ("fp8", "bf16"):
-                if f"ours_{form}_proto" in logits:
-                    a, b = logits[f"ours_{form}"], logits[f"ours_{form}_proto"]
-                    exactness[f"ours_{form} {dname} T={t}"] = (
-                        "bit-identical" if torch.equal(a, b) else f"max abs diff {float((a - b).abs().max()):.3g}"
-                    )
             if dtype == torch.float32 and "peer" in logits:
                 with torch.inference_mode(), no_kv_fp8():
                     plain = models["ours_bf16"](ids)
@@ -509,14 +407,6 @@ def main() -> None:
             "differences early grow to O(1) logit differences after 8 blocks."
         )
         result["logits_agreement"] = agreement
-    if exactness:
-        result["prototype_vs_current_logits"] = exactness
-        result["prototype_note"] = (
-            "ours_*_proto: our model with the changes recommended to model/ (float32 product from a cached float32 "
-            "weight for non-FP8 Linear on the CPU; MoE sorted dispatch without index_add_; one activation quantisation "
-            "per MoE input and per expert hidden; one for w1/w3 of dense/shared MLPs; w1 and w3 in one product), "
-            "monkeypatched in this process"
-        )
     verdict = {}
     for dname, cells in result["results"].items():
         for t, cell in cells.items():

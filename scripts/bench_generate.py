@@ -102,6 +102,7 @@ def main() -> None:
             "torch": torch.__version__,
             "cpu": bf.cpu_name(),
             "cpu_products": ops.describe_cpu_route(),
+            "cpu_threads": ops.describe_threads(),
             "threads": torch.get_num_threads(),
             "load_average_start": bf.load_average(),
         },
