@@ -56,3 +56,24 @@ def keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def env_read_once(monkeypatch):
+    """``setting(name, value, reader)`` sets (or, with None, removes) an environment variable as a
+    process starting now would find it: ``reader``, the lru_cached function that reads it once per
+    process, is cleared now and after the test."""
+    readers = []
+
+    def setting(name: str, value: str | None, reader) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        reader.cache_clear()
+        readers.append(reader)
+
+    yield setting
+    monkeypatch.undo()
+    for reader in readers:
+        reader.cache_clear()

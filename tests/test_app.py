@@ -90,8 +90,10 @@ def test_the_first_element_fetches_the_plotting_code(app):
     assert f'"./{name}"' in first.body and first.unsafe_allow_javascript
 
 
-def test_sidebar_names_the_cpu_bfloat16_route(app):
+def test_sidebar_names_the_cpu_bfloat16_route_and_threads(app):
     assert describe_cpu_route() in messages(app.sidebar.caption)
+    shown = messages(app.sidebar.caption)
+    assert "CPU threads: 1 thread" in shown or "threads for products of at least" in shown  # as the app's thread has them
 
 
 @pytest.mark.parametrize("page", PAGES)

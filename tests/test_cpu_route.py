@@ -21,19 +21,9 @@ DEMO_PROMPT = (
 
 
 @pytest.fixture
-def route_env(monkeypatch):
+def route_env(env_read_once):
     """Sets ANATOMY_CPU_BF16 as a process starting now would find it (it is read once per process)."""
-
-    def setting(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv(ops.ROUTE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(ops.ROUTE_ENV, value)
-        ops.route_setting.cache_clear()
-
-    yield setting
-    monkeypatch.undo()
-    ops.route_setting.cache_clear()
+    return lambda value: env_read_once(ops.ROUTE_ENV, value, ops.route_setting)
 
 
 def test_the_route_follows_the_cpu_and_the_override(route_env, monkeypatch):
@@ -53,8 +43,8 @@ def test_the_route_follows_the_cpu_and_the_override(route_env, monkeypatch):
     assert ops.native_bf16() == ops.has_bf16_units() and "'fast' ignored" in ops.describe_cpu_route()
 
 
-def test_info_names_the_route():
-    env = {"ANATOMY_CPU_BF16": "float32", "PATH": "/usr/bin:/bin"}
+def test_info_names_the_route_and_the_threads():
+    env = {"ANATOMY_CPU_BF16": "float32", "ANATOMY_PARALLEL_WORK": "0", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [sys.executable, "-m", "tracing", "info", "--config", "assets/configs/config_671B_hf.json"],
         capture_output=True,
@@ -62,7 +52,9 @@ def test_info_names_the_route():
         env=env,
         check=True,
     ).stdout
-    assert json.loads(out)["cpu_products"] == "float32, rounded once (ANATOMY_CPU_BF16=float32)"
+    info = json.loads(out)
+    assert info["cpu_products"] == "float32, rounded once (ANATOMY_CPU_BF16=float32)"
+    assert info["cpu_threads"] == "1 thread" or info["cpu_threads"].endswith("for every pass (ANATOMY_PARALLEL_WORK=0)")
 
 
 def _both_routes(model, ids):

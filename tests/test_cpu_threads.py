@@ -1,8 +1,5 @@
 """How a CPU forward uses its threads: passes on one, large products on all, and the same bits."""
 
-import json
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -14,22 +11,12 @@ from tracing.runner import trace_tokens
 
 
 @pytest.fixture
-def parallel_env(monkeypatch):
+def parallel_env(env_read_once):
     """Sets ANATOMY_PARALLEL_WORK as a process starting now would find it (read once per process),
     on two threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-
-    def setting(value: str | None) -> None:
-        if value is None:
-            monkeypatch.delenv(ops.PARALLEL_ENV, raising=False)
-        else:
-            monkeypatch.setenv(ops.PARALLEL_ENV, value)
-        ops.parallel_work.cache_clear()
-
-    yield setting
-    monkeypatch.undo()
-    ops.parallel_work.cache_clear()
+    yield lambda value: env_read_once(ops.PARALLEL_ENV, value, ops.parallel_work)
     torch.set_num_threads(threads)
 
 
@@ -101,16 +88,3 @@ def test_the_thread_policy_leaves_every_bit(which, parallel_env, tiny_model, app
         assert set(trace.tensors) == set(base.tensors)
         for name in base.tensors:
             assert torch.equal(trace[name], base[name]), (setting, name)
-
-
-def test_info_names_the_threads():
-    env = {"ANATOMY_PARALLEL_WORK": "0", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-m", "tracing", "info", "--config", "assets/configs/config_671B_hf.json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
-    threads = json.loads(out)["cpu_threads"]
-    assert threads == "1 thread" or threads.endswith("for every pass (ANATOMY_PARALLEL_WORK=0)")
