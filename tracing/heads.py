@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from model import fp8
+from model import fp8, ops
 from model.cache import LayerCache
 
 
@@ -77,7 +77,7 @@ class HeadReads:
         n_keys = self.probs.shape[-1]
         latent = self._cache.kv.data[0, :n_keys].float()  # (S, C): the cached FP8-rounded latents
         wkv_b = attn.wkv_b.dequantized(torch.float32).view(attn.n_heads, -1, attn.kv_lora_rank)  # (H, Dn + Dv, C)
-        return torch.einsum("sc,hvc->shv", latent, wkv_b[:, -attn.v_head_dim :])
+        return ops.einsum("sc,hvc->shv", latent, wkv_b[:, -attn.v_head_dim :])
 
     def sources(self, row: int) -> torch.Tensor:
         """(H, S, Dv): what each head's output at query ``row`` of this pass sums over its keys,
