@@ -17,10 +17,11 @@ per-call reordering: 2.5x faster for one row, 5-15% for hundreds. It is used onl
 Threads: an idle OpenMP thread sleeps (``OMP_WAIT_POLICY=PASSIVE``, see ``model/__init__.py``), and
 waking it costs more than most of a forward's passes gain from it: on a 2-core machine a 128-token
 prefill ran 15% and a decode step 27% faster with the norms, roundings, RoPE and small products on
-one thread. So a CPU forward runs its passes on one thread (:func:`serial_passes`) and hands only
-products of at least :func:`parallel_work` multiply-adds to every thread (:func:`threaded`). Which
-thread forms an output does not change how it is summed on the machines tried; tests check that
-the policy leaves logits and selections bit for bit as they were.
+one thread. So a CPU forward runs its passes on one thread (:func:`serial_passes`) and hands to
+every thread only products of at least :func:`parallel_work` multiply-adds and passes worth as
+much (:func:`threaded`, :func:`gather`), and a MoE block's experts in parts on helper threads
+(:func:`spread`). Which thread forms an output does not change how it is summed on the machines
+tried; tests check that every recorded value stays bit for bit as it was.
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ def spread(run, items: list, work: list[int]) -> list:
 def _helpers(n: int) -> ThreadPoolExecutor:
     """Helper threads for :func:`spread`, each multiplying on one thread."""
     return ThreadPoolExecutor(n, thread_name_prefix="anatomy-spread", initializer=torch.set_num_threads, initargs=(1,))
+
+
+os.register_at_fork(after_in_child=_helpers.cache_clear)  # a forked child has none of the parent's threads
 
 
 def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
