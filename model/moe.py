@@ -20,12 +20,6 @@ from .hooks import HookPoint
 from .linear import Linear
 from .ops import topk
 
-_grouped_mm = getattr(torch, "_grouped_mm", None)  # one product over row groups (torch >= 2.8)
-# below this many (token, expert) rows the experts that have rows run one by one, split among the
-# threads (ops.spread): float32 prefill on 2 cores was 25% faster so at 768 rows, 10% at 1536, even
-# at 3072; the CPU's grouped product visits every expert, rows or not
-_GROUPED_ROWS = 2048
-
 
 class MLP(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x), the product formed in float32."""
@@ -150,8 +144,8 @@ class Gate(nn.Module):
 
 
 class ExpertWeights(NamedTuple):
-    """A MoE block's experts prepared for one product dtype on the CPU: stacked copies for the
-    grouped product, or each expert's weights laid out for oneDNN (ops.pack)."""
+    """A MoE block's experts prepared for one product dtype on the CPU: stacked copies ([w1; w3]
+    one product), or each expert's weights laid out for oneDNN (ops.pack)."""
 
     w13: torch.Tensor | None  # (E, 2 inter, D): [w1; w3] of every expert, stacked
     w2: torch.Tensor | None  # (E, D, inter)
@@ -245,16 +239,11 @@ class MoE(nn.Module):
         """Expert.forward for every pair, from the prepared weights, rounding as each expert's own
         products would; rows sorted by expert (``tokens`` the token of each, ``counts`` how many
         each expert has). w1 and w3 as one product of twice the width (each output is its own dot
-        product: the same values). Stacked weights and many rows: one grouped product over all
-        experts; else one product per expert that has rows."""
-        grouped = w.w13 is not None and len(tokens) >= _GROUPED_ROWS
+        product: the same values). One product per expert that has rows, the experts split among
+        the threads (ops.spread): torch's grouped product on the CPU visits every expert, rows or
+        not, and on 2 cores float32 prefill ran 20-25% faster without it at 768 to 3072 rows."""
         a = x.values(w.dtype) if isinstance(x, fp8.Rounded) else x.to(w.dtype)
         a = ops.gather(a, tokens)  # (N k, D)
-        if grouped:
-            offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-            both = ops.threaded(a.numel() * w.w13.shape[1], _grouped_mm, a, w.w13.transpose(1, 2), offs=offs)
-            h = self._hidden(both, w, dtype)
-            return ops.threaded(h.numel() * w.w2.shape[1], _grouped_mm, h, w.w2.transpose(1, 2), offs=offs).to(dtype)
         rows = a.split(counts)  # each expert's rows
 
         def product(j: int, b: torch.Tensor, first: bool) -> torch.Tensor:
@@ -290,7 +279,7 @@ class MoE(nn.Module):
         compute = ops.product_dtype(dtype)
         if compute == torch.bfloat16 and ops.packed_products_agree():
             return self._pack(linears, dtype)
-        stacks = self._stacked_weights(dtype) if _grouped_mm is not None else None
+        stacks = self._stacked_weights(dtype)
         return None if stacks is None else ExpertWeights(*stacks, None, None, compute, stacks[1].shape[-1])
 
     def _kept(self, name: str, dtype: torch.dtype, make: Callable) -> object | None:
@@ -337,7 +326,7 @@ class MoE(nn.Module):
     def _stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts' weight copies for ``dtype`` activations (Linear._prepared) as two stacks,
         [w1; w3] (E, 2 inter, D) and w2 (E, D, inter), which the experts' own Linears then share
-        (views, no second copy), for the grouped product. None where there are no copies to stack
+        (views, no second copy). None where there are no copies to stack
         (see :meth:`_expert_weights`). Made once, kept while the experts hold the same weights."""
         return self._kept("_stacks", dtype, self._stack)
 

@@ -248,8 +248,8 @@ def reference_moe_loop(moe, x, weights, indices):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weights_form", ["fp8", "bf16", "float32", "fp8 amax/448 scales"])
 def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form, native):
-    """The sorted dispatch (inputs rounded to FP8 once per block, all experts in grouped products
-    where the products allow) equals the reference's loop: for each expert in ascending order,
+    """The sorted dispatch (inputs rounded to FP8 once per block, each expert's products from weights
+    prepared once where the products allow) equals the reference's loop: for each expert in ascending order,
     y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
     source = {
         "fp8": tiny_source,
@@ -266,7 +266,7 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
         weights, indices = moe.gate(x)
         routed = moe.route(x, weights, indices)
         assert torch.equal(routed, reference_moe_loop(moe, x, weights, indices))
-        # grouped products wherever dequantising first is exact (one CPU copy of each weight, shared)
+        # stacked copies wherever dequantising first is exact (one CPU copy of each weight, shared)
         stacks = moe._stacked_weights(dtype)
         assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
         if stacks is not None:
@@ -274,13 +274,9 @@ def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
             assert moe.experts[3].w3._prepared(dtype)[1].data_ptr() == stacks[0][3, TINY.moe_inter_dim :].data_ptr()
 
 
-@pytest.mark.parametrize("grouped_from", [0, 1 << 30], ids=["grouped product", "one product per expert"])
-def test_stacked_experts_grouped_or_one_by_one_are_the_reference_loop(tiny_source, grouped_from, monkeypatch):
-    """Where the experts run from stacked copies (products formed in float32), one grouped product
-    over all experts and one product per expert that has rows give the reference loop's bits."""
-    from model import moe as moe_module
-
-    monkeypatch.setattr(moe_module, "_GROUPED_ROWS", grouped_from)
+def test_stacked_experts_one_by_one_are_the_reference_loop(tiny_source):
+    """Where the experts run from stacked copies (products formed in float32), one product per
+    expert that has rows gives the reference loop's bits."""
     moe = load_model(tiny_source, dtype=torch.bfloat16).layers[1].ffn
     x = torch.randn(40, TINY.dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.inference_mode(), cpu_route(False):
