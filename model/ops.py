@@ -20,8 +20,10 @@ prefill ran 15% and a decode step 27% faster with the norms, roundings, RoPE and
 one thread. So a CPU forward runs its passes on one thread (:func:`serial_passes`) and hands to
 every thread only products of at least :func:`parallel_work` multiply-adds and passes worth as
 much (:func:`threaded`, :func:`gather`), and a MoE block's experts in parts on helper threads
-(:func:`spread`). Which thread forms an output does not change how it is summed on the machines
-tried; tests check that every recorded value stays bit for bit as it was.
+(:func:`spread`). In bfloat16 which thread forms an output does not change how it is summed (tests
+check every recorded value bit for bit, on both routes); a float32 product of a few rows can round
+differently on one thread than on two (the BLAS splits its sums by thread), as it did between
+machines with different thread counts.
 """
 
 from __future__ import annotations
