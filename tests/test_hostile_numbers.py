@@ -56,3 +56,22 @@ def test_nan_index_scores_never_select_a_future_key(tiny_source):
         selected = trace[f"layers.{i}.attn.indexer.topk_indices"]
         positions = torch.arange(len(IDS))[:, None]
         assert ((selected == -1) | ((selected >= 0) & (selected <= positions))).all(), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_a_non_finite_value_is_found_where_it_is_and_masks_are_not(bad, dtype):
+    """NaN and +inf anywhere, -inf outside the masked score sites, at the first position that holds one."""
+    from model import TINY
+    from tracing.nonfinite import first_nonfinite
+
+    scores = torch.randn(6, 6).tril().masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf")).to(dtype)
+    stream = torch.randn(6, TINY.dim).to(dtype)
+    assert first_nonfinite({"layers.0.attn.indexer.scores": scores, "layers.0.resid_post": stream}, TINY, 6) is None
+    for name, value in (("layers.0.attn.indexer.scores", scores.clone()), ("layers.0.resid_post", stream.clone())):
+        value[4, 2] = float(bad)
+        found = first_nonfinite({name: value}, TINY, 6)
+        if bad == "-inf" and name.endswith("scores"):
+            assert found is None
+        else:
+            assert found is not None and (found.site, found.position) == (name, 4)

@@ -40,13 +40,20 @@ def _forward_order(name: str, rank: dict[str, int], n_layers: int) -> tuple[int,
     return (int(parts[1]), stage, rank.get(name, len(rank)))
 
 
+def _clean(value: torch.Tensor, masked: bool) -> bool:
+    """No NaN or infinity (-inf allowed where ``masked``), from the extremes alone (NaN propagates
+    through both): one or two reductions, no tensor of flags, for the many values that are clean."""
+    top = float(value.amax())
+    return top < float("inf") if masked else top < float("inf") and float(value.amin()) > float("-inf")
+
+
 def first_nonfinite(tensors: Mapping[str, torch.Tensor], config: ModelArgs, n_tokens: int) -> NonFinite | None:
     """The earliest site, in the order the model computes them, holding a non-finite value, and the
     first position there."""
     rank = {name: i for i, name in enumerate(site_shapes(config))}
     for name in sorted(tensors, key=lambda n: _forward_order(n, rank, config.n_layers)):
         value = tensors[name]
-        if not value.is_floating_point():
+        if not value.is_floating_point() or not value.numel() or _clean(value, name.endswith(MASKED_WITH_INF)):
             continue
         bad = value.isnan() | (value == float("inf"))
         if not name.endswith(MASKED_WITH_INF):
