@@ -135,7 +135,7 @@ def threaded(work: int, product, *args, **kwargs):
     """``product(*args, **kwargs)``, on every thread where ``work`` (its multiply-adds) is at least
     :func:`parallel_work` inside :func:`serial_passes`; else where it is called."""
     threads = _THREADS.get()
-    if not threads or work < parallel_work():
+    if threads < 2 or work < parallel_work():  # 1: a part of ops.spread, on its own thread
         return product(*args, **kwargs)
     torch.set_num_threads(threads)
     try:
