@@ -107,9 +107,7 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None) -> tuple[torch.Tens
 
 def act_dequant(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Float32 values of act_quant's output."""
-    *lead, k = y.shape
-    blocks = to_float(y).reshape(*lead, k // BLOCK, BLOCK) * scale.unsqueeze(-1)
-    return blocks.reshape(y.shape)
+    return _dequant(y, scale, torch.float32)
 
 
 def fake_quant(x: torch.Tensor, scale_fmt: str | None = None) -> torch.Tensor:

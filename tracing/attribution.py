@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from model import fp8, ops
+from model import ops
 from model.moe import MoE
 
 from .errors import InputError
@@ -138,7 +138,7 @@ class Attributor:
         heads = self.model.layers[layer].attn.n_heads
         x = inputs[0][0, self._row]  # (H Dv,)
         if module.scale is not None:
-            x = fp8.act_dequant(*fp8.act_quant(x[None], module.scale_fmt))[0]
+            x = module.rounded(x[None]).values()[0]
         columns = wo_columns(module.weight, module.scale, heads)  # (D, H, Dv)
         self._rows[f"{layer}.heads"] = ops.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
         if self._reads is not None:
