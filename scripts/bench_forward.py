@@ -260,6 +260,16 @@ def no_kv_fp8():
 
 
 # --- timing -----------------------------------------------------------------------------------------
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: the names rotated by r, so background load falls on every way alike."""
+    return names[r % len(names) :] + names[: r % len(names)]
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of the per-round ratios a / b."""
+    return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 3)
+
+
 def time_cell(fns: dict, ids: torch.Tensor, reps: int, budget_s: float) -> tuple[dict, dict]:
     """``reps`` rounds (fewer if the budget runs out, at least one), each model once per round in an
     order rotated per round; the first round's logits are returned."""
@@ -272,8 +282,7 @@ def time_cell(fns: dict, ids: torch.Tensor, reps: int, budget_s: float) -> tuple
         for r in range(reps):
             if r and time.perf_counter() - started > budget_s:
                 break
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
+            for name in rotated(names, r):
                 w, c = time.perf_counter(), time.process_time()
                 out = fns[name](ids)
                 wall[name].append(time.perf_counter() - w)
@@ -293,10 +302,8 @@ def time_cell(fns: dict, ids: torch.Tensor, reps: int, budget_s: float) -> tuple
         for name in names:
             if name == "peer":
                 continue
-            ratios = [p / o for p, o in zip(wall["peer"], wall[name], strict=True)]
-            cpu_ratios = [p / o for p, o in zip(cpu["peer"], cpu[name], strict=True)]
-            cell[name]["speedup_vs_peer"] = round(statistics.median(ratios), 3)
-            cell[name]["speedup_vs_peer_cpu_time"] = round(statistics.median(cpu_ratios), 3)
+            cell[name]["speedup_vs_peer"] = median_ratio(wall["peer"], wall[name])
+            cell[name]["speedup_vs_peer_cpu_time"] = median_ratio(cpu["peer"], cpu[name])
             cell[name]["speedup_vs_peer_best_of"] = round(min(wall["peer"]) / min(wall[name]), 3)
     return cell, logits
 

@@ -74,11 +74,6 @@ def decode_ms(model: torch.nn.Module, run) -> float:
     return (done - ends[0]) / (len(ends) - 1) * 1e3
 
 
-def median_ratio(a: list[float], b: list[float]) -> float:
-    """The median of the per-round ratios a / b."""
-    return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, nargs="+", default=[64, 512])
@@ -126,14 +121,14 @@ def main() -> None:
             for _, run in ways.values():  # warm-up: weight copies, allocator
                 run()
             for r in range(opts.rounds):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
+                for name in bf.rotated(names, r):
                     times[name].append(decode_ms(*ways[name]))
         cell = {name: round(statistics.median(t), 2) for name, t in times.items()}
         for name in names:
             bf.log(f"P={prompt} {name}: {cell[name]} ms per step ({', '.join(f'{t:.1f}' for t in times[name])})")
-        cell["traced_over_untraced"] = median_ratio(times["ours_traced"], times["ours"])
+        cell["traced_over_untraced"] = bf.median_ratio(times["ours_traced"], times["ours"])
         if "peer" in cell:
-            cell["peer_over_ours"] = median_ratio(times["peer"], times["ours"])
+            cell["peer_over_ours"] = bf.median_ratio(times["peer"], times["ours"])
         result["results"][str(prompt)] = cell
     result["environment"]["load_average_end"] = bf.load_average()
     print(json.dumps(result, indent=1))
