@@ -1,4 +1,4 @@
-"""How a CPU forward uses its threads: passes on one, large products on all, and the same bits."""
+"""How a CPU forward uses its threads: passes on one, large products on all, and the same bits in bfloat16."""
 
 import threading
 
