@@ -21,7 +21,9 @@ from app import prefetch  # noqa: E402
 if get_script_run_ctx(suppress_warning=True) is not None:
     prefetch.plotly()  # before torch loads below: the browser fetches plotly.js meanwhile
 
-import model  # noqa: E402, F401  before torch: the package sets OMP_WAIT_POLICY, which torch reads when it loads
+from tracing.startup import load_torch  # noqa: E402
+
+load_torch()  # before anything imports torch: its idle OpenMP threads sleep (tracing.startup)
 
 # isort: split
 from app import sidebar, widgets  # noqa: E402

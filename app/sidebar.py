@@ -8,7 +8,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from model.ops import describe_cpu_route, describe_threads
+from model import kernels
 from tracing.errors import InputError
 from tracing.nonfinite import first_nonfinite
 from tracing.sampling import Sampling
@@ -102,8 +102,9 @@ def _model_source(source: str, notices):
         f"vocabulary {om.args.vocab_size:,}"
     ]
     if om.loaded.device.type == "cpu":  # the route decides how fast (and how rounded) every bf16 product is here
-        lines.append(f":material/memory: CPU bfloat16 products: {escape_md(describe_cpu_route())}")
-        lines.append(f":material/memory: CPU threads: {escape_md(describe_threads())}")
+        cpu = kernels.describe()
+        lines.append(f":material/memory: CPU bfloat16 products: {escape_md(cpu['cpu_products'])}")
+        lines.append(f":material/memory: CPU threads: {escape_md(cpu['cpu_threads'])}")
     lines += [f":material/info: {note}" for note in om.notes]
     st.caption("  \n".join(lines))  # one element: each one more costs the browser a redraw on every rerun
     return om

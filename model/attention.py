@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import fp8, ops
+from . import fp8
 from .cache import LayerCache
 from .config import ModelArgs
 from .hooks import HookPoint
 from .indexer import Indexer, sparse_mask
+from .kernels import einsum, fake_quant, matmul
 from .linear import Linear
 from .norm import RMSNorm
-from .ops import einsum, matmul
 from .rope import apply_rotary_emb
 
 
@@ -71,7 +71,7 @@ class MLA(nn.Module):
         kv = self.kv_norm(kv)  # (B, T, C)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)  # (B, T, R)
         # deployment keeps the latent in an FP8 cache: round it through FP8 as the reference does
-        kv = fp8.fake_quant(kv, self.scale_fmt)
+        kv = fake_quant(kv, self.scale_fmt)
         if cache is not None:
             kv = cache.kv.write(start_pos, kv)  # (B, S, C)
             k_pe = cache.pe.write(start_pos, k_pe)  # (B, S, R)
@@ -94,7 +94,8 @@ class MLA(nn.Module):
         """One position's attention over the cached latents: wkv_b's key part absorbed into the query,
         its value part into the output. For one sequence, the products einsum forms (batched over
         heads, or over the sequence) are called directly: its reshaping cost more than they do."""
-        w_k, w_v = self.absorbed(q_nope.dtype)  # (H, Dn, C), (H, Dv, C)
+        wkv_b = self.wkv_b.dequantized(q_nope.dtype).view(self.n_heads, -1, self.kv_lora_rank)  # (H, Dn + Dv, C)
+        w_k, w_v = wkv_b[:, : self.qk_nope_head_dim], wkv_b[:, -self.v_head_dim :]  # (H, Dn, C), (H, Dv, C)
         bsz, heads = q_nope.size(0), self.n_heads
         if bsz == 1:
             q_nope = matmul(q_nope.view(heads, 1, -1), w_k).view(1, 1, heads, -1)  # (B, T, H, C)
@@ -110,16 +111,3 @@ class MLA(nn.Module):
             return matmul(x, w_v.transpose(1, 2)).view(1, 1, heads, -1)  # (B, T, H, Dv)
         x = einsum("bsht,btc->bshc", scores, kv)  # (B, T, H, C)
         return einsum("bshc,hdc->bshd", x, w_v)  # (B, T, H, Dv)
-
-    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """wkv_b's key and value parts per head, (H, Dn, C) and (H, Dv, C), each contiguous: every
-        decode step multiplies both. Kept, as wkv_b's own CPU copy is, while that copy is the same."""
-        wkv_b = self.wkv_b.dequantized(dtype)  # (H (Dn + Dv), C)
-        made, key = self.__dict__.setdefault("_absorbed", {}), (dtype, ops.product_dtype(dtype))
-        known = made.get(key)
-        if known is None or known[0] is not wkv_b:
-            w = wkv_b.view(self.n_heads, -1, self.kv_lora_rank)  # (H, Dn + Dv, C)
-            known = (wkv_b, w[:, : self.qk_nope_head_dim].contiguous(), w[:, -self.v_head_dim :].contiguous())
-            if self.wkv_b.cache_dequantized and wkv_b.device.type == "cpu":  # not a streamed or GPU weight
-                made[key] = known
-        return known[1], known[2]

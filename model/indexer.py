@@ -13,9 +13,9 @@ from . import fp8
 from .cache import LayerCache
 from .config import ModelArgs
 from .hooks import HookPoint
+from .kernels import fp8_index, hadamard, topk
 from .linear import Linear
 from .norm import LayerNorm
-from .ops import topk
 from .rope import apply_rotary_emb
 
 
@@ -63,17 +63,15 @@ class Indexer(nn.Module):
         k_pe, k_nope = torch.split(k, [self.rope_head_dim, self.head_dim - self.rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis, interleaved=False).squeeze(2)
         k = torch.cat([k_pe, k_nope], dim=-1)
-        q_fp8, q_scale = fp8.act_quant(fp8.hadamard(q), self.scale_fmt)  # (B, T, H, D), (B, T, H, 1)
-        k_fp8, k_scale = fp8.act_quant(fp8.hadamard(k), self.scale_fmt)  # (B, T, D), (B, T, 1)
+        q_fp8, q_scale = fp8.act_quant(hadamard(q), self.scale_fmt)  # (B, T, H, D), (B, T, H, 1)
+        k_fp8, k_scale = fp8.act_quant(hadamard(k), self.scale_fmt)  # (B, T, D), (B, T, 1)
         if cache is not None:
             k_fp8 = cache.index_k.write(start_pos, k_fp8)  # (B, S, D)
             k_scale = cache.index_k_scale.write(start_pos, k_scale)  # (B, S, 1)
         weights = self.head_weights(self.weights_proj(x.float()) * self.n_heads**-0.5)  # (B, T, H)
         weights = weights.unsqueeze(-1) * q_scale * self.softmax_scale  # (B, T, H, 1)
-        causal_from = None if mask is None else start_pos  # fp8_index may leave the masked keys at -inf
-        index_score = fp8.fp8_index(
-            q_fp8, weights.squeeze(-1), k_fp8, k_scale.squeeze(-1), causal_from=causal_from, q_scale=q_scale
-        )
+        causal_from = None if mask is None else start_pos  # the CPU route may leave the keys the mask hides at -inf
+        index_score = fp8_index(q_fp8, weights.squeeze(-1), k_fp8, k_scale.squeeze(-1), causal_from, q_scale)
         if mask is not None:
             index_score += mask
         index_score = self.scores(index_score)

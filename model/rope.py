@@ -9,8 +9,10 @@ import torch
 from .config import ModelArgs
 
 
-def precompute_freqs_cis(args: ModelArgs, seqlen: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """e^{i t theta_j} for positions t < seqlen: complex64 (seqlen, qk_rope_head_dim / 2).
+def precompute_freqs_cis(args: ModelArgs, seqlen: int, device: torch.device | str | None = None, start: int = 0) -> torch.Tensor:
+    """e^{i t theta_j} for positions start <= t < seqlen: complex64 (seqlen - start, qk_rope_head_dim / 2).
+    (The reference makes all max_seq_len positions once; each position's rotation is computed
+    alone, so making only the positions a forward runs gives the same values.)
 
     With YaRN (when max_seq_len > original_seq_len, as the reference decides) the frequencies whose
     wavelength exceeds the original context are divided by rope_factor, with a linear ramp between
@@ -30,7 +32,7 @@ def precompute_freqs_cis(args: ModelArgs, seqlen: int, device: torch.device | st
         ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
         smooth = 1 - ramp
         freqs = freqs / factor * (1 - smooth) + freqs * smooth
-    t = torch.arange(seqlen)
+    t = torch.arange(start, seqlen)
     angles = torch.outer(t, freqs)  # (T, dim/2)
     return torch.polar(torch.ones_like(angles), angles).to(device)
 

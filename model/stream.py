@@ -43,7 +43,7 @@ from torch import nn
 
 from .checkpoint import TensorReader, WeightSource, validate
 from .fp8 import FP8
-from .linear import Linear
+from .kernels import use_once
 from .moe import MoE
 from .names import STORED_BF16, from_hf, to_hf
 from .progress import ProgressBar
@@ -205,7 +205,6 @@ class Streamer:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._reader: TensorReader | None = None
-        self._cache_flags: list[tuple[Linear, bool]] = []
         self._t0 = 0.0
         self._enter_time: dict[str, float] = {}
 
@@ -240,11 +239,6 @@ class Streamer:
         for i, block in enumerate(model.layers):
             if isinstance(block.ffn, MoE):
                 self._handles.append(block.ffn.gate.register_forward_hook(self._gate_hook(i)))
-        # each weight is used once per forward: do not keep float32 copies of FP8 weights
-        for m in model.modules():
-            if isinstance(m, Linear):
-                self._cache_flags.append((m, m.cache_dequantized))
-                m.cache_dequantized = False
         if self.prefetch:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-loader")
         self._t0 = time.perf_counter()
@@ -264,9 +258,6 @@ class Streamer:
         for unit in [*self._chain, *self._experts.values()]:
             self._free(unit)
         self._arenas.clear()
-        for m, flag in self._cache_flags:
-            m.cache_dequantized = flag
-        self._cache_flags.clear()
         if self._reader is not None:
             self.stats.reads = self._reader.reads
             self.stats.bytes_read = self._reader.bytes_read
@@ -364,7 +355,8 @@ class Streamer:
         if owner is not None:
             owner.wait_seconds += waited
         for p, tensor in zip(unit.params, tensors, strict=True):
-            p.owner._parameters[p.leaf] = nn.Parameter(tensor, requires_grad=False)
+            # each weight is read by one forward: the CPU backend keeps no copy of it beside the freed weight
+            p.owner._parameters[p.leaf] = use_once(nn.Parameter(tensor, requires_grad=False))
         with self._lock:
             self._loaded_unassigned -= unit.nbytes
             self._resident[unit.name] = unit.nbytes

@@ -5,13 +5,11 @@ Shapes: B batch, T positions, D dim, V vocabulary.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8, ops
+from . import fp8
 from .attention import MLA
 from .cache import Cache, LayerCache
 from .config import ModelArgs
@@ -106,9 +104,9 @@ def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 class Transformer(nn.Module):
     """The whole model. ``forward`` returns float32 logits of the last position (B, V), or of
     every position (B, T, V) with ``all_logits``. Decoding continues at ``start_pos`` from the
-    earlier positions' keys: pass the :class:`Cache` they were written to, or none, and the cache
-    of this thread's previous call is used, as the reference's module buffers would be (one per
-    thread, so threads sharing the model do not mix).
+    earlier positions' keys: pass the :class:`Cache` they were written to (:meth:`new_cache`). The
+    model holds no state of a run (the reference keeps its caches in module buffers), so threads can
+    share it.
 
     ``dtype`` is the activation dtype (bfloat16 as the reference, or float32); ``weight_dtype`` the
     dtype of the weights the reference holds in bfloat16: the embedding, the router and the linears
@@ -133,32 +131,9 @@ class Transformer(nn.Module):
         self.logits = nn.Module()
         self.logits.last = HookPoint("B V")  # logits of the last position, float32
         self.logits.all = HookPoint("B T V")  # every position's logits, when asked for
-        self._thread_caches = threading.local()
-
-    def _freqs_cis(self, n_positions: int, device: torch.device) -> torch.Tensor:
-        """RoPE's rotations for at least ``n_positions``: made for twice as many as first asked (up to
-        max_seq_len) and kept per device, so a decode step does not make them again (a position's
-        rotation does not depend on how many are made)."""
-        args, made = self.args, self.__dict__.setdefault("_rotations", {})
-        known = made.get(device)
-        if known is None or known[0] is not args or known[1].shape[0] < n_positions:
-            grown = max(n_positions, min(2 * n_positions, args.max_seq_len))
-            known = made[device] = (args, precompute_freqs_cis(args, grown, device))
-        return known[1]
 
     def new_cache(self) -> Cache:
         return Cache(len(self.layers))
-
-    def _implicit_cache(self, start_pos: int) -> Cache:
-        if start_pos == 0:
-            self._thread_caches.cache = self.new_cache()
-        cache = getattr(self._thread_caches, "cache", None)
-        if cache is None or len(cache) != start_pos:
-            held = 0 if cache is None else len(cache)
-            raise ValueError(
-                f"start_pos {start_pos}: this thread's cache holds {held} positions; pass the Cache to continue from"
-            )
-        return cache
 
     def forward(
         self,
@@ -169,19 +144,18 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         seqlen = tokens.size(1)
         end_pos = start_pos + seqlen
-        if cache is None:
-            cache = self._implicit_cache(start_pos)
+        if cache is None and start_pos:
+            raise ValueError(f"start_pos {start_pos}: a decode step continues the Cache (new_cache()) of the earlier positions")
         device = tokens.device
-        freqs_cis = self._freqs_cis(end_pos, device)[start_pos:end_pos]
+        freqs_cis = precompute_freqs_cis(self.args, end_pos, device, start=start_pos)
         # the reference masks only when several positions run at once; one position sees all keys
         mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
-        with ops.serial_passes(device):
-            h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
-            for i, layer in enumerate(self.layers):
-                h, residual = layer(h, residual, start_pos, freqs_cis, mask, cache.layers[i])
-            h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
-            if all_logits:
-                logits = self.logits.all(self.head(h.float()))  # (B, T, V)
-                self.logits.last(logits[:, -1])
-                return logits
-            return self.logits.last(self.head(h[:, -1].float()))  # (B, V)
+        h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, start_pos, freqs_cis, mask, None if cache is None else cache.layers[i])
+        h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
+        if all_logits:
+            logits = self.logits.all(self.head(h.float()))  # (B, T, V)
+            self.logits.last(logits[:, -1])
+            return logits
+        return self.logits.last(self.head(h[:, -1].float()))  # (B, V)

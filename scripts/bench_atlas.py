@@ -37,13 +37,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from model import ModelArgs  # noqa: E402  (first: sets OMP_WAIT_POLICY before torch loads)
+from tracing.startup import load_torch  # noqa: E402
+
+load_torch()  # first: torch's idle OpenMP threads sleep (tracing.startup)
+
+from model import ModelArgs  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
 from bench_forward import BENCH_ARGS, cpu_name, load_average  # noqa: E402
 
-from model import ops  # noqa: E402
+from model import kernels  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 from tracing.atlas import AtlasJob  # noqa: E402
@@ -162,7 +166,7 @@ def main() -> None:
         "environment": {
             "torch": torch.__version__,
             "cpu": cpu_name(),
-            "cpu_route": ops.describe_cpu_route(),
+            "cpu_route": kernels.describe_route(),
             "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
@@ -186,4 +190,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with kernels.serial_passes():  # our forwards under the thread policy, as the command line runs them
+        main()

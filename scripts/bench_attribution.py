@@ -27,7 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from model import ModelArgs  # noqa: E402  first: it sets OMP_WAIT_POLICY before torch loads
+from tracing.startup import load_torch  # noqa: E402
+
+load_torch()  # first: torch's idle OpenMP threads sleep (tracing.startup)
+
+from model import ModelArgs  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -54,16 +55,18 @@ from unittest import mock
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# First: importing model sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp. With the default spinning, on a
-# 2-core machine with a training job on the other core, 2 threads ran the demo's forward ~100x slower than 1 thread
-# and the numbers measured scheduler luck; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
-from model import ModelArgs  # noqa: E402
+# First: torch's idle OpenMP threads sleep (tracing.startup). With libgomp's spinning, on a 2-core machine with a
+# training job on the other core, 2 threads ran the demo's forward ~100x slower than 1 thread and the numbers
+# measured scheduler luck; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
+from tracing.startup import load_torch  # noqa: E402
 
-# isort: split
+load_torch()
+
 import torch  # noqa: E402
 
-from model import fp8, ops  # noqa: E402
+from model import ModelArgs, fp8, kernels  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
+from model.kernels import products  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 
 THREADS = 2
@@ -185,18 +188,36 @@ def load_peer(directory: Path, dtype: torch.dtype) -> tuple[object | None, dict]
     return model.eval(), info
 
 
-def forward_fn(name: str, model, native: bool | None = None) -> callable:
-    """The timed call; ``native`` forces our CPU route for bfloat16 products (None: this CPU's)."""
+def forward_fn(name: str, model, native: bool | None = None, route=kernels.cpu_route) -> callable:
+    """The timed call; ``native`` forces our CPU route for bfloat16 products (None: this CPU's). Ours
+    runs inside the thread policy, as the command line and tracing.run enter it; the peer with
+    torch's threading."""
     if name == "peer":
         return lambda ids: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
-    if native is None:
-        return lambda ids: model(ids)
 
     def run(ids):
-        with ops.cpu_route(native):
+        with kernels.serial_passes(), route(native) if native is not None else contextlib.nullcontext():
             return model(ids)
 
     return run
+
+
+def old_tree(tree: Path):
+    """The model package of another checkout (the tree before a change), imported as ``model_old``
+    beside this one (its modules import each other relatively): its loader and its route switch.
+    Its forward enters its own thread policy, if it has one."""
+    spec = importlib.util.spec_from_file_location(
+        "model_old", tree / "model" / "__init__.py", submodule_search_locations=[str(tree / "model")]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["model_old"] = package
+    spec.loader.exec_module(package)
+    checkpoint = importlib.import_module("model_old.checkpoint")
+    try:
+        route = importlib.import_module("model_old.ops").cpu_route
+    except ImportError:
+        route = importlib.import_module("model_old.kernels").cpu_route
+    return checkpoint.load_model, route
 
 
 def cpu_name() -> str:
@@ -298,6 +319,9 @@ def time_cell(fns: dict, ids: torch.Tensor, reps: int, budget_s: float) -> tuple
             "cpu_median_s": round(statistics.median(cpu[name]), 4),
             "times_s": [round(t, 3) for t in wall[name]],
         }
+    for name in names:  # this tree against the old one, form by form
+        if name.startswith("old_") and (new := name.replace("old_", "ours_", 1)) in wall:
+            cell[new]["speedup_vs_old"] = median_ratio(wall[name], wall[new])
     if "peer" in wall:
         for name in names:
             if name == "peer":
@@ -317,6 +341,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS}: this machine's cores)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the two checkpoints are written/reused")
     parser.add_argument("--no-peer", action="store_true", help="time our model only")
+    parser.add_argument(
+        "--old-tree", type=Path, help="also time the model of this checkout (the tree before a change): old_fp8, old_bf16"
+    )
     parser.add_argument(
         "--routes",
         nargs="+",
@@ -345,9 +372,9 @@ def main() -> None:
             "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")},
             "python": platform.python_version(),
             "cpu": cpu_name(),
-            "cpu_bf16_units": ops.has_bf16_units(),
-            "cpu_route_default": ops.describe_cpu_route(),
-            "cpu_threads": ops.describe_threads(),
+            "cpu_bf16_units": products.has_bf16_units(),
+            "cpu_route_default": products.describe_route(),
+            "cpu_threads": kernels.threads.describe(),
             "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "load_average_start": load_average(),
@@ -362,26 +389,35 @@ def main() -> None:
     inputs = {t: torch.randint(0, args.vocab_size, (1, t), generator=gen) for t in sorted(opts.tokens)}
     cell_budget = opts.budget_s / (len(opts.dtypes) * len(inputs))
 
+    old = old_tree(opts.old_tree) if opts.old_tree else None
+    if old is not None:
+        result["old_tree"] = str(opts.old_tree)
     result["results"] = {}
     agreement: dict = {}
     for dname in opts.dtypes:
         dtype = DTYPES[dname]
         log(f"loading models ({dname})")
         models = {"ours_fp8": load_model(ckpt["fp8"], dtype=dtype), "ours_bf16": load_model(ckpt["bf16"], dtype=dtype)}
+        if old is not None:
+            models.update(old_fp8=old[0](ckpt["fp8"], dtype=dtype), old_bf16=old[0](ckpt["bf16"], dtype=dtype))
         if not opts.no_peer:
             peer, peer_info = load_peer(Path(ckpt["bf16"]), dtype)
             result.setdefault("peer", peer_info)
             if peer is not None:
                 models["peer"] = peer
-        routes = opts.routes or (["native", "float32"] if ops.has_bf16_units() else ["float32"])
+        routes = opts.routes or (["native", "float32"] if products.has_bf16_units() else ["float32"])
+
+        def fn(name, m, native):
+            return forward_fn(name, m, native, old[1] if name.startswith("old_") else kernels.cpu_route)
+
         if dtype != torch.bfloat16 or len(routes) == 1:  # float32 products take one route
             only = None if dtype != torch.bfloat16 else routes[0] == "native"
-            fns = {name: forward_fn(name, m, only) for name, m in models.items()}
-        else:  # one instance, both routes: Linear keeps a weight copy per product dtype
+            fns = {name: fn(name, m, only) for name, m in models.items()}
+        else:  # one instance, both routes: a weight copy is kept per product dtype
             fns = {}
             for name, m in models.items():
                 for route in [None] if name == "peer" else routes:
-                    fns[name if route is None else f"{name}@{route}"] = forward_fn(name, m, route == "native")
+                    fns[name if route is None else f"{name}@{route}"] = fn(name, m, route == "native")
         warm = inputs[min(inputs)]
         log(f"{dname}: warm-up (T={warm.shape[1]}) of {', '.join(fns)}")
         with torch.inference_mode():
@@ -427,6 +463,15 @@ def main() -> None:
         result["target_met_current_model"] = all(
             v["speedup_vs_peer"] >= 1.0 for k, v in verdict.items() if "_proto" not in k.split()[0]
         )
+    versus_old = {
+        f"{name} {dname} T={t}": row["speedup_vs_old"]
+        for dname, cells in result["results"].items()
+        for t, cell in cells.items()
+        for name, row in cell.items()
+        if "speedup_vs_old" in row
+    }
+    if versus_old:
+        result["summary_speedup_vs_old"] = versus_old  # old time / new time: > 1, this tree is faster
     result["environment"]["load_average_end"] = load_average()
     result["wall_s"] = round(time.perf_counter() - wall, 1)
     print(json.dumps(result, indent=1))

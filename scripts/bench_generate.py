@@ -28,29 +28,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import bench_forward as bf  # noqa: E402
+import bench_forward as bf  # noqa: E402  (first: it starts torch as the entry points do)
 
-from model import ops  # noqa: E402
+# isort: split
+import torch  # noqa: E402
+
+from model import kernels  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from tracing.runner import trace_tokens  # noqa: E402
 
 
 def ours(model, ids: list[int], new: int) -> None:
+    with kernels.serial_passes():  # as tracing.run enters it
+        _ours(model, ids, new)
+
+
+def _ours(model, ids: list[int], new: int) -> None:
     cache = model.new_cache()
     logits = model(torch.tensor([ids]), cache=cache)
     for pos in range(len(ids), len(ids) + new):
@@ -96,8 +99,7 @@ def main() -> None:
         "environment": {
             "torch": torch.__version__,
             "cpu": bf.cpu_name(),
-            "cpu_products": ops.describe_cpu_route(),
-            "cpu_threads": ops.describe_threads(),
+            **kernels.describe(),
             "threads": torch.get_num_threads(),
             "load_average_start": bf.load_average(),
         },

@@ -44,9 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# First: importing model sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp. With the default spinning, on a
-# 2-core machine with a training job on the other core, 2 threads ran the demo's forward ~100x slower than 1 thread
-# and the numbers measured scheduler luck; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
+# First: torch's idle OpenMP threads sleep (tracing.startup). With libgomp's spinning, on a 2-core machine with a
+# training job on the other core, 2 threads ran the demo's forward ~100x slower than 1 thread and the numbers
+# measured scheduler luck; set OMP_WAIT_POLICY=ACTIVE yourself to see the default.
+from tracing.startup import load_torch  # noqa: E402
+
+load_torch()
+
 from model import ModelArgs  # noqa: E402
 
 # isort: split
@@ -282,4 +286,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from model import kernels
+
+    with kernels.serial_passes():  # our forwards under the thread policy, as the command line runs them
+        main()

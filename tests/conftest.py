@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from model import TINY  # first: importing model sets OMP_WAIT_POLICY, which torch reads when it loads
+from tracing.startup import load_torch
+
+load_torch()  # first: torch's idle OpenMP threads sleep, as under the command line and the app (tracing.startup)
 
 # isort: split
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-from model.checkpoint import load_model, save_checkpoint
-from model.synthetic import SyntheticSource
+from model import TINY  # noqa: E402
+from model.checkpoint import load_model, save_checkpoint  # noqa: E402
+from model.synthetic import SyntheticSource  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -47,15 +50,6 @@ def app_checkpoint(tmp_path_factory) -> str:
     from tests.devcheckpoint import demo_or_dev_checkpoint
 
     return demo_or_dev_checkpoint(tmp_path_factory.mktemp("app"))
-
-
-@pytest.fixture(scope="module")
-def keep_torch_threads():
-    """The app runs a small model on one CPU thread (app.core.models._set_threads); give the rest of the
-    test session its threads back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from app.core.session import View
 from app.core.traces import Entry, store
 from app.topics import cards, model_map
 from app.topics.router import bias_effect, moe_blocks
+from model import kernels
 from model.config import ModelArgs
-from model.ops import describe_cpu_route
 from tracing.tables import to_csv_bytes
 
 APP = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
@@ -31,7 +31,7 @@ TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
 @pytest.fixture()
-def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+def app(app_checkpoint, monkeypatch) -> AppTest:
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception, [e.value for e in at.exception]
@@ -91,7 +91,7 @@ def test_the_first_element_fetches_the_plotting_code(app):
 
 
 def test_sidebar_names_the_cpu_bfloat16_route_and_threads(app):
-    assert describe_cpu_route() in messages(app.sidebar.caption)
+    assert kernels.describe()["cpu_products"] in messages(app.sidebar.caption)
     shown = messages(app.sidebar.caption)
     assert "CPU threads: 1 thread" in shown or "threads for products of at least" in shown  # as the app's thread has them
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not (topic.BUNDLED / "summary.json").is_file(), 
 
 
 @pytest.fixture()
-def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+def app(app_checkpoint, monkeypatch) -> AppTest:
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     return checked(AppTest.from_file(APP, default_timeout=TIMEOUT).run().switch_page(PAGE).run())
 

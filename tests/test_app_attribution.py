@@ -24,7 +24,7 @@ PAGE = "views/attribution.py"
 
 
 @pytest.fixture()
-def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+def app(app_checkpoint, monkeypatch) -> AppTest:
     """The app on the Attribution page, after its first run traced the default prompt."""
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     first = AppTest.from_file(APP, default_timeout=TIMEOUT).run()

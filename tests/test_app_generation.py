@@ -26,7 +26,7 @@ PROMPT = "The lightning indexer chooses which earlier keys"
 
 
 @pytest.fixture()
-def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+def app(app_checkpoint, monkeypatch) -> AppTest:
     """The app on the Generation page, after its first run traced the default prompt."""
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     return checked(checked(AppTest.from_file(APP, default_timeout=TIMEOUT).run()).switch_page(PAGE).run())

@@ -27,7 +27,7 @@ TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
 @pytest.fixture()
-def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+def app(app_checkpoint, monkeypatch) -> AppTest:
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception, [e.value for e in at.exception]

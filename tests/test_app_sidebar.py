@@ -30,7 +30,7 @@ def trace(at: AppTest) -> AppTest:
     return at
 
 
-def test_a_chat_turn_frames_the_prompt_with_the_markers(chat_checkpoint, monkeypatch, keep_torch_threads):  # noqa: F811
+def test_a_chat_turn_frames_the_prompt_with_the_markers(chat_checkpoint, monkeypatch):  # noqa: F811
     at = start(monkeypatch, chat_checkpoint)
     assert not at.toggle(key="chat").disabled
     at.text_area(key="prompt").set_value(QUESTION)
@@ -55,7 +55,7 @@ def test_a_chat_turn_frames_the_prompt_with_the_markers(chat_checkpoint, monkeyp
     assert shown_entry(at).key.chat is None and shown_entry(at).trace.token_ids == tok.encode(QUESTION)
 
 
-def test_a_vocabulary_without_the_markers_disables_the_chat_toggle(app_checkpoint, monkeypatch, keep_torch_threads):
+def test_a_vocabulary_without_the_markers_disables_the_chat_toggle(app_checkpoint, monkeypatch):
     at = start(monkeypatch, app_checkpoint)
     assert at.toggle(key="chat").disabled and not at.toggle(key="chat").value
     assert "Chat turns need DeepSeek-V3.2's vocabulary" in messages(at.sidebar.caption)
@@ -64,7 +64,7 @@ def test_a_vocabulary_without_the_markers_disables_the_chat_toggle(app_checkpoin
     assert not at.error and not at.toggle(key="chat").value and shown_entry(at).key.chat is None
 
 
-def test_changed_generation_settings_say_a_new_trace_is_needed(app_checkpoint, monkeypatch, keep_torch_threads):
+def test_changed_generation_settings_say_a_new_trace_is_needed(app_checkpoint, monkeypatch):
     at = start(monkeypatch, app_checkpoint)
     shown = at.session_state["trace_key"]
     assert STALE not in messages(at.sidebar.caption)

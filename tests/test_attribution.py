@@ -73,7 +73,7 @@ def _wo_product(wo, x):
     """wo's product in float32 from its FP8-rounded input and dequantised weight, before the bfloat16 rounding."""
     if wo.scale is None:
         return wo.weight.float() @ x.float()
-    return fp8.weight_dequant(wo.weight, wo.scale) @ fp8.act_dequant(*fp8.act_quant(x[None], wo.scale_fmt))[0]
+    return fp8.weight_dequant(wo.weight, wo.scale) @ fp8.dequant(*fp8.act_quant(x[None], wo.scale_fmt))[0]
 
 
 def _parts(trace):

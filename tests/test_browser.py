@@ -216,7 +216,7 @@ def drawn_figures() -> dict[str, dict]:
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
-def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch, keep_torch_threads):
+def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch):
     """Each figure comes with margins its labels, colour bars and legend fit in (app.topics.margins):
     plotly's automargin, which would otherwise grow a margin by drawing the figure a second time, finds
     nothing to grow, at a half-page and at a full-page width."""

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from model import ops
+from model import kernels
 from model.checkpoint import load_model
+from model.kernels import products as ops
 from tracing.runner import trace_tokens
 from tracing.tokenizer import Tokenizer
 
@@ -32,7 +33,7 @@ def test_the_route_follows_the_cpu_and_the_override(route_env, monkeypatch):
     assert ops.product_dtype(torch.float32) == torch.float32 and ops.product_dtype(torch.float16) == torch.float32
     route_env("float32")
     assert not ops.native_bf16() and ops.product_dtype(torch.bfloat16) == torch.float32
-    assert ops.describe_cpu_route() == f"float32, rounded once ({ops.ROUTE_ENV}=float32)"
+    assert ops.describe_route() == f"float32, rounded once ({ops.ROUTE_ENV}=float32)"
     monkeypatch.setenv(ops.ROUTE_ENV, "native")  # read once: products do not look at the environment again
     assert not ops.native_bf16()
     route_env("native")
@@ -40,7 +41,7 @@ def test_the_route_follows_the_cpu_and_the_override(route_env, monkeypatch):
     with ops.cpu_route(False):
         assert not ops.native_bf16()
     route_env("fast")
-    assert ops.native_bf16() == ops.has_bf16_units() and "'fast' ignored" in ops.describe_cpu_route()
+    assert ops.native_bf16() == ops.has_bf16_units() and "'fast' ignored" in ops.describe_route()
 
 
 def test_info_names_the_route_and_the_threads():
@@ -55,6 +56,7 @@ def test_info_names_the_route_and_the_threads():
     info = json.loads(out)
     assert info["cpu_products"] == "float32, rounded once (ANATOMY_CPU_BF16=float32)"
     assert info["cpu_threads"] == "1 thread" or info["cpu_threads"].endswith("for every pass (ANATOMY_PARALLEL_WORK=0)")
+    assert info["cpu_kernels"] == "CPU routes (model.kernels)"
 
 
 def _both_routes(model, ids):
@@ -104,4 +106,5 @@ def test_packed_products_give_the_plain_products_bits():
         lin = Linear(k, n)
         lin.weight = torch.nn.Parameter(weight, requires_grad=False)
         with torch.inference_mode(), ops.cpu_route(True):
-            assert torch.equal(lin(x), F.linear(x, weight)) and lin._pack(lin._prepared(x.dtype)[1]) is not None
+            assert torch.equal(lin(x), F.linear(x, weight))
+            assert kernels.weights.get(lin.weight, ("packed", torch.bfloat16)) is not kernels.weights.MISSING

@@ -10,7 +10,7 @@ def test_act_quant_error_within_e4m3_bounds():
     x = torch.randn(64, 512) * torch.logspace(-3, 2, 512)
     q, s = fp8.act_quant(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4)
-    back = fp8.act_dequant(q, s)
+    back = fp8.dequant(q, s)
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normals, absolute <= 2^-10 * scale below
     bound = torch.maximum(x.abs() * 2**-4, s.repeat_interleave(128, dim=-1) * 2**-10)  # each row's own scales
     assert torch.all((back - x).abs() <= bound)
@@ -71,14 +71,11 @@ def test_gemm_equals_the_kernel_order(fmt, pow2_weight_scales):
     assert torch.equal(got, kernel_order_gemm(x, w, s, fmt).to(torch.bfloat16))
     lin = Linear(384, 200, fp8.FP8, scale_fmt=fmt)
     lin.weight.data, lin.scale.data = w, s
-    for _ in range(2):  # the float32 copy made on first use multiplies the same way
+    for _ in range(2):  # the copy the CPU route makes on first use multiplies the same way
         assert torch.equal(lin(x), got)
     rounded = fp8.Rounded.of(x, fmt)
     assert torch.equal(lin(rounded[2:5]), got[2:5])  # rows rounded once, products on a selection
-    want = fp8.weight_dequant(w, s, torch.bfloat16)
-    assert torch.equal(lin.dequantized(torch.bfloat16), want)
-    lin.cache_dequantized = False  # as on a GPU or while streaming: no float32 copy kept
-    assert torch.equal(lin(x), got) and torch.equal(lin.dequantized(torch.bfloat16), want)
+    assert torch.equal(lin.dequantized(torch.bfloat16), fp8.weight_dequant(w, s, torch.bfloat16))
 
 
 def test_dequantise_first_is_not_the_kernel_order_for_other_scales():
@@ -86,7 +83,7 @@ def test_dequantise_first_is_not_the_kernel_order_for_other_scales():
     torch.manual_seed(1)
     x = torch.randn(64, 1024)
     w, s = fp8.weight_quant(torch.randn(256, 1024) * 0.05, None)
-    first = fp8.act_dequant(*fp8.act_quant(x, None)) @ fp8.weight_dequant(w, s).t()
+    first = fp8.dequant(*fp8.act_quant(x, None)) @ fp8.weight_dequant(w, s).t()
     assert not torch.equal(first, kernel_order_gemm(x, w, s, None))
 
 
@@ -113,15 +110,6 @@ def test_hadamard_is_orthonormal_in_sylvester_order():
     assert torch.allclose(fp8.hadamard(fp8.hadamard(y)), y, atol=1e-5)
 
 
-def test_fp8_to_float_is_torchs_conversion_for_every_code():
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8.FP8).reshape(4, 64)
-    for t in (codes, codes[:, ::3]):  # contiguous and strided
-        got, want = fp8.to_float(t), t.float()
-        assert got.shape == want.shape and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
-        assert torch.equal(torch.isnan(got), torch.isnan(want))
-    assert int(torch.isnan(fp8.to_float(codes)).sum()) == 2  # 0x7f and 0xff
-
-
 def _every_code_in_blocks(dtype: torch.dtype, scales: torch.Tensor) -> torch.Tensor:
     """Rows of 128 values that round to every finite e4m3 code, each row times its own scale, in
     ``dtype``; a few rows carry an exact zero, -0.0, and values below the subnormal step."""
@@ -136,8 +124,8 @@ def _every_code_in_blocks(dtype: torch.dtype, scales: torch.Tensor) -> torch.Ten
 @pytest.mark.parametrize("fmt", [None, "ue8m0"])
 @pytest.mark.parametrize("rows", [4, 256], ids=["few values", "many values"])
 def test_rounded_values_are_the_dequantised_codes_bit_for_bit(dtype, fmt, rows):
-    """Rounded.values(dtype) (codes turned into numbers from their bits when there are many) equals
-    torch's conversion of every code times its scale, rounded to dtype; so does fake_quant."""
+    """Rounded.values(dtype) equals torch's conversion of every code times its scale, rounded to
+    dtype; so does fake_quant (the CPU route's decoding: tests/test_kernels.py)."""
     gen = torch.Generator().manual_seed(3)
     scales = 2.0 ** torch.randint(-20, 8, (rows,), generator=gen).float() * (1 + torch.rand(rows, generator=gen))
     x = _every_code_in_blocks(dtype, scales)
@@ -147,20 +135,7 @@ def test_rounded_values_are_the_dequantised_codes_bit_for_bit(dtype, fmt, rows):
     assert got.dtype == dtype and torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 stays -0.0
     assert torch.equal(fp8.fake_quant(x, fmt), want)
-    assert torch.equal(fp8.act_dequant(codes, scale), codes.float() * scale.repeat_interleave(128, dim=-1))
-
-
-@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 3e38])
-def test_rounded_values_of_blocks_with_huge_or_non_finite_values(bad):
-    """A block holding inf or NaN rounds to NaN codes (its scale is not finite), and a block near
-    the float32 limit has a scale the bit path cannot take: both are converted as torch does."""
-    x = torch.randn(256, 256)
-    x[7, 3] = bad
-    codes, scale = fp8.act_quant(x, "ue8m0")
-    want = codes.float() * scale.repeat_interleave(128, dim=-1)
-    got = fp8.Rounded.of(x, "ue8m0").values()
-    assert torch.equal(got.nan_to_num(1.0, 2.0, 3.0), want.nan_to_num(1.0, 2.0, 3.0))
-    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(fp8.dequant(codes, scale), codes.float() * scale.repeat_interleave(128, dim=-1))
 
 
 def test_act_quant_divides_in_float32_whatever_the_input_dtype():
@@ -170,55 +145,3 @@ def test_act_quant_divides_in_float32_whatever_the_input_dtype():
         codes, scale = fp8.act_quant(x, fmt)
         codes32, scale32 = fp8.act_quant(x.float(), fmt)
         assert torch.equal(codes.view(torch.uint8), codes32.view(torch.uint8)) and torch.equal(scale, scale32)
-
-
-def plain_fp8_index(q, weights, k, k_scale):
-    """fp8_index as a plain formula: torch's conversion of the codes, 256 queries at a time."""
-    out = []
-    for start in range(0, q.shape[1], 256):
-        logits = torch.einsum("bmhd,bnd->bmnh", q[:, start : start + 256].float(), k.float()).relu_()
-        out.append((logits * weights[:, start : start + 256, None, :]).sum(-1))
-    return torch.cat(out, dim=1) * k_scale[:, None, :]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
-
-
-@pytest.mark.parametrize("given", [True, False], ids=["q scales given", "q codes read"])
-@pytest.mark.parametrize("fmt", [None, "ue8m0"])
-@pytest.mark.parametrize("T,start", [(300, 0), (40, 0), (24, 9)])
-def test_fp8_index_leaves_future_keys_as_the_mask_makes_them(T, start, fmt, given):
-    """With a prefill's causal mask, keys after a query chunk's last query are not computed: the
-    scores, once the mask is added, are those of the full computation bit for bit. With a NaN in a
-    query or an infinite weight every score is computed (NaN must stay where the mask cannot hide
-    it); so it is with a NaN key, whose code the fast conversion would misread."""
-    gen = torch.Generator().manual_seed(T)
-    q_in, k_in = torch.randn(1, T, 4, 128, generator=gen) * 3, torch.randn(1, start + T, 128, generator=gen)
-    mask = torch.full((T, start + T), float("-inf")).triu_(start + 1)
-
-    def both(q_in, k_in, poke=None):
-        q, qs = fp8.act_quant(q_in, fmt)
-        k, ks = fp8.act_quant(k_in, fmt)
-        weights = torch.randn(1, T, 4, generator=torch.Generator().manual_seed(1)) * qs.squeeze(-1)
-        weights[0, 2, 1] = 0.0  # an exact-zero tie
-        if poke:
-            poke(weights)
-        full = plain_fp8_index(q, weights, k, ks.squeeze(-1)) + mask
-        assert _same(fp8.fp8_index(q, weights, k, ks.squeeze(-1)) + mask, full)
-        return full, fp8.fp8_index(q, weights, k, ks.squeeze(-1), causal_from=start, q_scale=qs.squeeze(-1) if given else None)
-
-    full, skipped = both(q_in, k_in)
-    assert torch.equal(skipped + mask, full)
-    if T > 128:  # a later chunk's keys were left at -inf for the first chunk's queries
-        assert torch.isneginf(skipped[0, 0, 128:]).all()
-    full, skipped = both(q_in, k_in, lambda w: w.__setitem__((0, 1, 0), float("inf")))
-    assert _same(skipped + mask, full)
-    q_nan = q_in.clone()
-    q_nan[0, 3, 2, 5] = float("nan")
-    full, skipped = both(q_nan, k_in)
-    assert _same(skipped + mask, full) and full.isnan().any()
-    k_nan = k_in.clone()
-    k_nan[0, start + 1, 7] = float("nan")
-    full, skipped = both(q_in, k_nan)
-    assert _same(skipped + mask, full) and full.isnan().any()

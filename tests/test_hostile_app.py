@@ -48,7 +48,7 @@ def start(monkeypatch, checkpoint: str, **env: str) -> AppTest:
 
 
 @pytest.fixture()
-def app(app_checkpoint, monkeypatch, keep_torch_threads) -> AppTest:
+def app(app_checkpoint, monkeypatch) -> AppTest:
     return start(monkeypatch, app_checkpoint)
 
 
@@ -82,9 +82,7 @@ def roots(tmp_path, tiny_checkpoint):
     return allowed, outside
 
 
-def test_only_checkpoints_under_the_roots_open_and_refusals_read_alike(
-    app_checkpoint, monkeypatch, keep_torch_threads, tmp_path, roots
-):
+def test_only_checkpoints_under_the_roots_open_and_refusals_read_alike(app_checkpoint, monkeypatch, tmp_path, roots):
     allowed, outside = roots
     at = start(monkeypatch, app_checkpoint, ANATOMY_CHECKPOINT_ROOTS=str(allowed))
     assert not at.error, messages(at.error)  # the bundled (or default) checkpoint is always allowed
@@ -128,7 +126,7 @@ def test_only_checkpoints_under_the_roots_open_and_refusals_read_alike(
     ],
     ids=["model_type", "not-json", "bad-value", "no-weights"],
 )
-def test_errors_under_the_roots_do_not_quote_the_files(app_checkpoint, monkeypatch, keep_torch_threads, tmp_path, caplog, config):
+def test_errors_under_the_roots_do_not_quote_the_files(app_checkpoint, monkeypatch, tmp_path, caplog, config):
     """What a config holds stays on the server: the user sees the generic refusal, the log says why."""
     allowed = tmp_path / "allowed"
     (allowed / "broken").mkdir(parents=True)
@@ -143,7 +141,7 @@ def test_errors_under_the_roots_do_not_quote_the_files(app_checkpoint, monkeypat
 
 
 # --- trace files --------------------------------------------------------------------------------------------
-def test_a_trace_file_over_the_limit_is_not_read(app_checkpoint, monkeypatch, keep_torch_threads):
+def test_a_trace_file_over_the_limit_is_not_read(app_checkpoint, monkeypatch):
     at = start(monkeypatch, app_checkpoint, ANATOMY_MAX_UPLOAD_MB="0.01")
     before = at.session_state["trace_key"]
     data = store().get(before).trace_bytes()

@@ -5,10 +5,8 @@ import math
 import pytest
 import torch
 
-from model import TINY
+from model import TINY, kernels
 from model.checkpoint import load_model
-from model.linear import Linear
-from model.ops import cpu_route
 from model.synthetic import SyntheticSource
 
 
@@ -214,97 +212,55 @@ def test_yarn_frequencies_and_softmax_scale():
     assert plain.softmax_scale == pytest.approx(96**-0.5)
 
 
-def test_topk_ties_go_to_the_lower_index():
-    from model.ops import topk
-
-    x = torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0, 0.0]])
-    assert topk(x, 4)[1].tolist() == [[1, 4, 0, 2]]
-
-
-def test_decode_without_passing_a_cache_continues_this_threads_prefill(tiny_fp32, tokens):
+def test_a_decode_step_needs_the_cache_of_its_prefill(tiny_fp32, tokens):
+    """The model keeps no state of a run: a decode step without the Cache of the earlier positions is
+    an error, not a hidden continuation; with it, the step is the long prefill's position. No
+    module gains an attribute from running (no weight copies, rotations or caches held)."""
+    held = {name: dict(vars(m)) for name, m in tiny_fp32.named_modules()}
     with torch.inference_mode():
         full = tiny_fp32(tokens, all_logits=True)
-        tiny_fp32(tokens[:, :20])
-        step = tiny_fp32(tokens[:, 20:21], start_pos=20)
+        cache = tiny_fp32.new_cache()
+        tiny_fp32(tokens[:, :20], cache=cache)
+        with pytest.raises(ValueError, match="continues the Cache"):
+            tiny_fp32(tokens[:, 20:21], start_pos=20)
+        step = tiny_fp32(tokens[:, 20:21], start_pos=20, cache=cache)
         with pytest.raises(ValueError, match="holds 21 positions"):
-            tiny_fp32(tokens[:, 22:23], start_pos=22)
+            tiny_fp32(tokens[:, 22:23], start_pos=22, cache=cache)
     torch.testing.assert_close(step, full[:, 20], rtol=1e-4, atol=1e-4)
+    for name, m in tiny_fp32.named_modules():
+        assert vars(m).keys() == held[name].keys(), name
+        assert all(vars(m)[k] is v for k, v in held[name].items() if k not in ("_parameters", "_buffers", "_modules")), name
 
 
-def reference_moe_loop(moe, x, weights, indices):
-    """The reference's loop: for each expert in ascending order, y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
-    import torch.nn.functional as F
+def test_rotations_of_some_positions_are_those_of_all(tiny_fp32):
+    """A forward makes the rotations of its own positions only: each is the one the reference's
+    table of every position holds."""
+    from model.rope import precompute_freqs_cis
 
-    loop = torch.zeros_like(x, dtype=torch.float32)
-    for i, e in enumerate(moe.experts):
-        rows, slot = torch.where(indices == i)
-        if len(rows):
-            h = (F.silu(e.w1(x[rows]).float()) * e.w3(x[rows]).float()).type_as(x)
-            loop.index_add_(0, rows, e.w2(h) * weights[rows, slot, None])
-    return loop
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("weights_form", ["fp8", "bf16", "float32", "fp8 amax/448 scales"])
-def test_moe_dispatch_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form, native):
-    """The sorted dispatch (inputs rounded to FP8 once per block, each expert's products from weights
-    prepared once where the products allow) equals the reference's loop: for each expert in ascending order,
-    y[tokens] += w2(silu(w1 x) * w3 x) * weight."""
-    source = {
-        "fp8": tiny_source,
-        "bf16": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
-        "float32": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
-        "fp8 amax/448 scales": SyntheticSource(TINY.replace(scale_fmt=None), seed=1),
-    }[weights_form]
-    moe = load_model(source, dtype=dtype).layers[1].ffn
-    if weights_form == "float32":  # as a float32 checkpoint (e.g. the demo's unquantised weights) loads
-        for lin in (m for m in moe.modules() if isinstance(m, Linear)):
-            lin.weight = torch.nn.Parameter(lin.weight.float(), requires_grad=False)
-    x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
-    with torch.inference_mode(), cpu_route(native):
-        weights, indices = moe.gate(x)
-        routed = moe.route(x, weights, indices)
-        assert torch.equal(routed, reference_moe_loop(moe, x, weights, indices))
-        # stacked copies wherever dequantising first is exact (one CPU copy of each weight, shared)
-        stacks = moe._stacked_weights(dtype)
-        assert (stacks is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
-        if stacks is not None:
-            assert moe.experts[3].w2._prepared(dtype)[1].data_ptr() == stacks[1][3].data_ptr()
-            assert moe.experts[3].w3._prepared(dtype)[1].data_ptr() == stacks[0][3, TINY.moe_inter_dim :].data_ptr()
-
-
-def test_stacked_experts_one_by_one_are_the_reference_loop(tiny_source):
-    """Where the experts run from stacked copies (products formed in float32), one product per
-    expert that has rows gives the reference loop's bits."""
-    moe = load_model(tiny_source, dtype=torch.bfloat16).layers[1].ffn
-    x = torch.randn(40, TINY.dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    with torch.inference_mode(), cpu_route(False):
-        weights, indices = moe.gate(x)
-        prepared = moe._expert_weights(x.dtype)
-        assert prepared is not None and prepared.w13 is not None
-        routed = moe.route(x, weights, indices)
-        assert torch.equal(routed, reference_moe_loop(moe, x, weights, indices))
+    for args in (TINY, TINY.replace(max_seq_len=16384, original_seq_len=4096, rope_factor=40)):
+        table = torch.view_as_real(precompute_freqs_cis(args, 700))
+        for start, end in ((0, 1), (3, 90), (511, 700)):
+            assert torch.equal(torch.view_as_real(precompute_freqs_cis(args, end, start=start)), table[start:end])
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
 @pytest.mark.parametrize("weights", ["fp8", "fp8 amax/448 scales"])
-def test_no_float32_copies_changes_nothing(weights, tokens, native):
-    """The path GPUs and the streamer take (no float32 weight copies kept: FP8 weights dequantised
-    at each product, the MQA decode's absorbed weight made on the fly) gives the same prefill and
-    decode, bit for bit."""
+def test_no_weight_copies_changes_nothing(weights, tokens, native):
+    """The path GPUs and the streamer take (no weight copies kept: FP8 weights dequantised at each
+    product, the MQA decode's absorbed weight made on the fly) gives the same prefill and decode,
+    bit for bit."""
     args = {"fp8": TINY, "fp8 amax/448 scales": TINY.replace(scale_fmt=None)}[weights]
     model = load_model(SyntheticSource(args, seed=2))
 
     def run() -> list[torch.Tensor]:
-        with torch.inference_mode(), cpu_route(native):
+        with torch.inference_mode(), kernels.cpu_route(native):
             cache = model.new_cache()
             out = [model(tokens[:, :20], cache=cache, all_logits=True)]
             out += [model(tokens[:, pos : pos + 1], start_pos=pos, cache=cache) for pos in (20, 21)]
         return out
 
     copied = run()
-    for lin in (m for m in model.modules() if isinstance(m, Linear)):
-        lin.cache_dequantized = False
+    for param in model.parameters():
+        kernels.use_once(param)  # as the streamer marks what it loads
     for a, b in zip(copied, run(), strict=True):
         assert torch.equal(a, b)

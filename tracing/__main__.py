@@ -1,7 +1,9 @@
 import sys
 
-import model  # noqa: F401  first: the package sets OMP_WAIT_POLICY, which torch reads when it loads
+from tracing.startup import load_torch
 
-from .cli import main
+load_torch()  # first: idle OpenMP threads sleep (tracing.startup)
+
+from tracing.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from model import ops
+from model import kernels
 from model.moe import MoE
 
 from .errors import InputError
@@ -140,7 +140,7 @@ class Attributor:
         if module.scale is not None:
             x = module.rounded(x[None]).values()[0]
         columns = wo_columns(module.weight, module.scale, heads)  # (D, H, Dv)
-        self._rows[f"{layer}.heads"] = ops.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
+        self._rows[f"{layer}.heads"] = kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
         if self._reads is not None:
             stored = (module.weight.detach().clone(), None if module.scale is None else module.scale.detach().clone())
             self._rows[f"{layer}.sources"] = (self._reads.sources(self._row), stored)  # (H, S, Dv), wo
@@ -221,8 +221,8 @@ def _is_part(name: str) -> bool:
 def _sources(kept: tuple, u: torch.Tensor) -> torch.Tensor:
     """(H, S): each head's part from each key, ``p[t, h, s] v[s, h]`` through the head's columns of wo, along u."""
     summed, (weight, scale) = kept  # (H, S, Dv), wo as stored
-    along = ops.einsum("dhv,d->hv", wo_columns(weight, scale, summed.shape[0]), u)  # (H, Dv)
-    return ops.einsum("hsv,hv->hs", summed, along)
+    along = kernels.einsum("dhv,d->hv", wo_columns(weight, scale, summed.shape[0]), u)  # (H, Dv)
+    return kernels.einsum("hsv,hv->hs", summed, along)
 
 
 def frozen_scale(norm: torch.nn.Module, stream: torch.Tensor) -> torch.Tensor:
@@ -235,7 +235,7 @@ def lens_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each vector (k, D), already times the frozen norm scale, promotes (row 0) and
     suppresses (row 1) most through the head (V, D): ids and logit changes, each (k, 2, top)."""
-    logits = ops.matmul(vectors.float(), head_weight.T)  # (k, V)
+    logits = kernels.matmul(vectors.float(), head_weight.T)  # (k, V)
     up, down = logits.topk(top, dim=-1), logits.topk(top, dim=-1, largest=False)
     return torch.stack([up.indices, down.indices], dim=1), torch.stack([up.values, down.values], dim=1)
 

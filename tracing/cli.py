@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from model import kernels
 from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
 from model.config import ConfigError, ModelArgs
-from model.ops import describe_cpu_route, describe_threads
 from model.params import count_params
 from model.progress import ProgressBar
 
@@ -221,8 +221,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         index_topk=config.index_topk,
         dtype=config.dtype,
         config=config.to_reference(),
-        cpu_products=describe_cpu_route(),
-        cpu_threads=describe_threads(),
+        **kernels.describe(),
     )
     if args.tensors:
         specs = expected_specs(config)
@@ -351,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with kernels.serial_passes():  # a CPU forward's passes on one thread, large products on all
+            return args.func(args)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

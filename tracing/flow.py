@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from model import ops
+from model import kernels
 from model.indexer import selected_keys
 from model.moe import MoE
 
@@ -79,10 +79,10 @@ def attention_flow(
     block = max(1, through_budget // (4 * n_heads * dim))
     step = max(1, budget // (4 * n_queries * dim))
     for a in range(0, n_keys, block):
-        through = ops.einsum("shv,dhv->shd", values[a : a + block], columns)  # (s, H, D): each key's value through each head
+        through = kernels.einsum("shv,dhv->shd", values[a : a + block], columns)  # (s, H, D): each key's value through each head
         for c in range(a, min(n_keys, a + block), step):
             d = min(n_keys, a + block, c + step)
-            brought = ops.matmul(probs[:, :, c:d].permute(2, 0, 1), through[c - a : d - a])  # (s, T, D): A[t, s], all heads
+            brought = kernels.matmul(probs[:, :, c:d].permute(2, 0, 1), through[c - a : d - a])  # (s, T, D): A[t, s], all heads
             near[c:d] = (norm - brought.sub_(after).abs_().sum(-1)).clamp_(min=0)  # proximity, in place
     near = near.T.masked_fill(~selected, 0.0)
     return _normalised(near, proximity(before, after))

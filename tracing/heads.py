@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from model import fp8, ops
+from model import kernels
 from model.cache import LayerCache
 
 
 def wo_columns(weight: torch.Tensor, scale: torch.Tensor | None, heads: int) -> torch.Tensor:
     """wo's dequantised weight (D, H Dv) as each head's columns, (D, H, Dv) float32."""
-    full = weight.float() if scale is None else fp8.weight_dequant(weight, scale)
+    full = kernels.weight_dequant(weight, scale, torch.float32, keep=False)
     return full.view(full.shape[0], heads, -1)
 
 
@@ -77,7 +77,7 @@ class HeadReads:
         n_keys = self.probs.shape[-1]
         latent = self._cache.kv.data[0, :n_keys].float()  # (S, C): the cached FP8-rounded latents
         wkv_b = attn.wkv_b.dequantized(torch.float32).view(attn.n_heads, -1, attn.kv_lora_rank)  # (H, Dn + Dv, C)
-        return ops.einsum("sc,hvc->shv", latent, wkv_b[:, -attn.v_head_dim :])
+        return kernels.einsum("sc,hvc->shv", latent, wkv_b[:, -attn.v_head_dim :])
 
     def sources(self, row: int) -> torch.Tensor:
         """(H, S, Dv): what each head's output at query ``row`` of this pass sums over its keys,

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from model.config import ModelArgs
+from model.kernels import topk
 from model.moe import RouterRule, select_experts
-from model.ops import topk
 
 from .errors import InputError
 from .sites import site_name

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from model import kernels
 from model.transformer import Transformer
 
 from .attribution import AttributionRequest
@@ -90,7 +91,7 @@ def trace_tokens(
     if device is None:
         device = model.embed.weight.device
         device = torch.device("cpu") if device.type == "meta" else device
-    with torch.inference_mode():
+    with torch.inference_mode(), kernels.serial_passes():  # this thread's CPU threads, as they were after
         batch = torch.tensor([ids], dtype=torch.long, device=device)
         ids = list(ids)
         n_prompt, stopped = len(ids), None

@@ -26,7 +26,6 @@ from .errors import BAD_INPUT
 
 # the one answer under ANATOMY_CHECKPOINT_ROOTS: it must not tell what exists on the server or what a file holds
 NOT_ALLOWED = "not a loadable checkpoint under the allowed roots (the server log says why)"
-SMALL_MODEL_BYTES = 512 * 2**20  # below this, one CPU thread is fastest: the products are tiny
 log = logging.getLogger(__name__)
 
 
@@ -123,23 +122,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _set_threads(weight_bytes: int) -> None:
-    """Threads for torch on the CPU. A small model's products take microseconds, and more threads only
-    add synchronisation: on a busy 2-core machine a demo trace takes ~0.2 s on one thread and seconds
-    on two. ANATOMY_THREADS overrides."""
-    import torch
-
-    wanted = settings.threads()
-    if wanted is not None:
-        torch.set_num_threads(wanted)
-    elif weight_bytes < SMALL_MODEL_BYTES:
-        torch.set_num_threads(1)
-
-
 @st.cache_resource(max_entries=2, show_spinner="Loading the checkpoint…")
 def _open_model(path: str, dtype: str, device_name: str) -> OpenModel:
     source = SafetensorsSource(path)  # config.json and the index; raises CheckpointError on either
-    _set_threads(_check_size(source))
+    _check_size(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = open_checkpoint(path, device_name, parse_dtype(dtype))

@@ -14,7 +14,7 @@ from tracing.loading import resolve_checkpoint
 ENV_CHECKPOINT = "ANATOMY_CHECKPOINT"  # the default checkpoint: 'demo' (assets/demo) or a directory
 ENV_MAX_TOKENS = "ANATOMY_MAX_TOKENS"  # the longest prompt the app traces
 ENV_DEVICE = "ANATOMY_DEVICE"  # cpu | cuda (default: cuda when available)
-ENV_THREADS = "ANATOMY_THREADS"  # torch CPU threads (default: 1 for small models, torch's default otherwise)
+ENV_THREADS = "ANATOMY_THREADS"  # CPU threads for a trace's large products (default: torch's count); set per trace
 # os.pathsep-separated directories the "Checkpoint directory" field may name ('demo' names the bundled
 # one); unset: any directory, as suits one person on their own machine
 ENV_CHECKPOINT_ROOTS = "ANATOMY_CHECKPOINT_ROOTS"

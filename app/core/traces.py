@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from model import kernels
 from model.config import ModelArgs
 from tracing.attribution import AttributionRequest
 from tracing.chat import encode_chat
@@ -307,21 +308,22 @@ def trace_prompt(
         )
     tokenizer = om.loaded.tokenizer
     started = time.perf_counter()
-    trace = trace_tokens(
-        om.loaded.model,
-        ids,
-        prompt=prompt,
-        record=list(record) if record is not None else record_patterns(om.args, len(ids) + new_tokens),
-        patches=patches,
-        interventions=interventions,
-        on_block=on_block,
-        extra={"checkpoint": om.loaded.label},
-        max_tokens=limit,
-        token_strings=tokenizer.token_strings if tokenizer is not None else None,
-        generate=new_tokens,
-        sampling=generation.sampling if generation is not None else None,
-        attribution=attribution,
-    )
+    with kernels.serial_passes(settings.threads()):  # this session's thread only (another traces beside it)
+        trace = trace_tokens(
+            om.loaded.model,
+            ids,
+            prompt=prompt,
+            record=list(record) if record is not None else record_patterns(om.args, len(ids) + new_tokens),
+            patches=patches,
+            interventions=interventions,
+            on_block=on_block,
+            extra={"checkpoint": om.loaded.label},
+            max_tokens=limit,
+            token_strings=tokenizer.token_strings if tokenizer is not None else None,
+            generate=new_tokens,
+            sampling=generation.sampling if generation is not None else None,
+            attribution=attribution,
+        )
     if generation is not None:
         named.append(describe_generation(generation))
     if chat is not None:
