@@ -1,6 +1,6 @@
 """Two runs of one prompt compared, for the interventions page: what changed (summary metrics),
 both runs' next tokens, where the residual stream moved, per-block changes, expert load, the logit
-lens, and the diff tables (tracing.diff) with their downloads."""
+lens, and the diff tables (tracing.analyses.diff) with their downloads."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from app.core.traces import Entry, describe_interventions
 from app.topics import experts, generation, interventions, predictions, router, tokens
 from app.topics.export import OCTETS, ZIP, zip_bytes
 from app.topics.interventions import TABLES, changed_rows
-from tracing.diff import diff_tables, summary
+from tracing.analyses.diff import diff_tables, summary
+from tracing.analyses.interventions import from_spec
 from tracing.errors import InputError
-from tracing.interventions import from_spec
 
 MAX_ROWS = 5_000  # rows of a diff table shown on the page (the CSV has them all)
 

@@ -16,7 +16,7 @@ usual. A background thread reads ahead: the next block while this one runs, and 
 picked experts while earlier ones run, so at most about two blocks of weights are resident.
 
     model = build_model(source.args, dtype)
-    logits, stats = stream_forward(model, source, tokens, device, progress=print_progress())
+    logits, stats = stream_forward(model, source, tokens, device, progress=print)  # or tracing.cli.progress.stream_bar()
 
 or, to call the model yourself (several calls, hooks of your own):
 
@@ -36,7 +36,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,7 +46,6 @@ from .fp8 import FP8
 from .kernels import use_once
 from .moe import MoE
 from .names import STORED_BF16, from_hf, to_hf
-from .progress import ProgressBar
 from .transformer import Transformer
 
 if TYPE_CHECKING:
@@ -471,21 +470,7 @@ def stream_forward(
 
 
 # -------------------------------------------------------------------------------------------------
-# progress and the "automatic" decision
-
-
-def print_progress(out: TextIO | None = None, width: int = 24) -> ProgressFn:
-    """The steps on the progress bar (:class:`~model.progress.ProgressBar`): step, bytes read,
-    throughput, elapsed; one line per forward."""
-    bar = ProgressBar(0, out, width=width)
-
-    def show(e: StreamEvent) -> None:
-        bar.total = e.total
-        bar.update(e.step, e.name, e.bytes_read, e.seconds)
-        if e.step == e.total:
-            bar.close()
-
-    return show
+# the "automatic" decision
 
 
 def model_bytes(source: WeightSource, device: torch.device | str = "cpu") -> int:
@@ -534,7 +519,6 @@ __all__ = [
     "UnitStats",
     "available_memory",
     "model_bytes",
-    "print_progress",
     "should_stream",
     "stream_forward",
 ]

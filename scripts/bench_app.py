@@ -78,7 +78,7 @@ QUIET_MS = 500  # drawn: the script has finished and nothing in the main area ch
 
 def prompts_of(n_tokens: int, count: int, checkpoint: str) -> list[str]:
     """``count`` different prompts of exactly ``n_tokens`` tokens (BOS included) for this tokenizer."""
-    from tracing.loading import resolve_checkpoint
+    from tracing.cli.loading import resolve_checkpoint
     from tracing.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_checkpoint(checkpoint))

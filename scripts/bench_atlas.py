@@ -8,12 +8,12 @@ A benchmark run by hand, not a test; it prints one JSON object on stdout (progre
 Cases:
 
 * ``demo``: the bundled checkpoint on its held-out sample (assets/demo/heldout_sample.txt, read
-  ``--copies`` times), cut by tracing.corpus into sequences of 256 positions, batches of 8.
+  ``--copies`` times), cut by tracing.atlas.corpus into sequences of 256 positions, batches of 8.
 * ``mid``: scripts/bench_forward.py's mid-size config (hidden 1024, 8 blocks, 64 routed experts,
   k = 6, index_topk 256) with synthetic FP8 weights, random token ids, sequences of 512, batches of 2.
 
 Per round every batch runs once plain (``model(ids)`` under inference_mode, no hooks) and once as
-the atlas runs it (tracing.atlas_counts.AtlasCounts hooked on the model: ``begin``, the forward,
+the atlas runs it (tracing.atlas.counts.AtlasCounts hooked on the model: ``begin``, the forward,
 ``commit``), back to back, the order alternating from batch to batch, so background load falls on
 both alike; one warm-up round first. ``ratio`` is the median over rounds of plain time / atlas
 time (the atlas's share of the plain tokens/s; target >= 0.8), ``ratio_cpu_time`` the same on the
@@ -51,9 +51,9 @@ from model import kernels  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 from tracing.atlas import AtlasJob  # noqa: E402
-from tracing.atlas_counts import AtlasCounts  # noqa: E402
-from tracing.corpus import Corpus, Source  # noqa: E402
-from tracing.loading import DEMO, Loaded, open_checkpoint  # noqa: E402
+from tracing.atlas.corpus import Corpus, Source  # noqa: E402
+from tracing.atlas.counts import AtlasCounts  # noqa: E402
+from tracing.cli.loading import DEMO, Loaded, open_checkpoint  # noqa: E402
 
 SAMPLE = DEMO / "heldout_sample.txt"
 

@@ -41,7 +41,7 @@ def main() -> int:
         (texts / name).write_text(getattr(corpus, attr), encoding="utf-8")
     command = ATLAS_COMMAND.format(texts=texts, out=opts.out)
     print(command, file=sys.stderr)
-    from tracing.cli import main as cli
+    from tracing.cli.commands import main as cli
 
     code = cli(command.split()[3:])
     if code == 0:

@@ -259,7 +259,7 @@ context, so there is no YaRN (the reference applies YaRN only when it exceeds
 
 ## Measured
 
-All on text the model never saw in training, with `tracing.evaluate.evaluate` (what
+All on text the model never saw in training, with `tracing.analyses.evaluate.evaluate` (what
 `python -m tracing eval` prints): teacher-forced next-token NLL in windows of
 {window["context"]} positions (BOS + text) advancing by {window["stride"]}; bits per byte are
 the summed NLL in bits over the UTF-8 bytes of the text.

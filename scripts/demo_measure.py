@@ -5,7 +5,7 @@
 Run by scripts/train_demo.py after the export; can be re-run alone (it needs the corpus and the
 float weights left in --work). Figures, all on text the model never saw:
 
-* bits per byte, top-1 accuracy, perplexity via tracing.evaluate (what ``python -m tracing eval``
+* bits per byte, top-1 accuracy, perplexity via tracing.analyses.evaluate (what ``python -m tracing eval``
   prints), for the FP8 export with bfloat16 activations (the CLI default) and float32 activations,
   and for the unquantised float32 model; on held-out Austen, the held-out Python FAQ, an
   out-of-domain text (the GPL-3 licence text every Debian system has) and the in-repo sample;
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from model.checkpoint import load_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.params import count_params  # noqa: E402
-from tracing.evaluate import evaluate  # noqa: E402
+from tracing.analyses.evaluate import evaluate  # noqa: E402
 from tracing.tokenizer import Tokenizer  # noqa: E402
 
 OOD_TEXT = Path("/usr/share/common-licenses/GPL-3")

@@ -38,8 +38,9 @@ import torch  # noqa: E402
 
 from model.checkpoint import build_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
-from model.stream import print_progress, stream_forward  # noqa: E402
+from model.stream import stream_forward  # noqa: E402
 from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
+from tracing.cli.progress import stream_bar  # noqa: E402
 from tracing.sites import site_name  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "assets" / "configs" / "config_671B_hf.json"
@@ -144,7 +145,7 @@ def run(opts: argparse.Namespace) -> dict:
         handles.append(modules[name].register_forward_hook(record))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    progress = print_progress(sys.stderr) if not opts.quiet else None
+    progress = stream_bar(sys.stderr) if not opts.quiet else None
     start = time.perf_counter()
     try:
         _, stats = stream_forward(model, source, tokens, device, prefetch=opts.prefetch, synchronize=True, progress=progress)

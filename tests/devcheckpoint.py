@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from tracing.loading import DEMO
+from tracing.cli.loading import DEMO
 
 SENTENCES = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. ",

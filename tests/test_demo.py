@@ -13,7 +13,7 @@ import torch
 from model import fp8
 from model.checkpoint import SafetensorsSource, expected_specs, load_model
 from model.config import ModelArgs
-from tracing.evaluate import evaluate
+from tracing.analyses.evaluate import evaluate
 from tracing.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -153,7 +153,7 @@ def test_loads_and_heldout_sample_matches_the_card(demo_model, card):
 def test_indexer_recall_traced_live_on_the_heldout_sample(demo_model):
     """What the app's attention page shows, on text the model never saw: the indexer's top-k holds
     most of the dense attention mass wherever the sparse attention prunes (queries past k)."""
-    from tracing.runner import trace_tokens
+    from tracing.run import trace_tokens
 
     args = demo_model.args
     ids = Tokenizer(DEMO).encode((DEMO / "heldout_sample.txt").read_text())[: args.max_seq_len]
@@ -193,7 +193,7 @@ class _CharTokenizer:
 
 
 def test_windows_score_each_target_once():
-    from tracing.evaluate import _windows
+    from tracing.analyses.evaluate import _windows
 
     for n, span, stride in [(1, 8, 4), (8, 8, 4), (9, 8, 4), (50, 16, 5), (50, 16, 16), (100, 32, 1)]:
         seen = []

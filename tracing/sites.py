@@ -34,7 +34,7 @@ class SiteSpec:
     reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
     rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
     patchable: bool = True  # a hook point whose value a patch or an intervention may replace
-    # "attribution" (tracing.attribution, for one position and target) or "flow" (tracing.flow, the
+    # "attribution" (tracing.analyses.attribution, for one position and target) or "flow" (tracing.analyses.flow, the
     # contribution graph): computed by that module's hooks; named (or --attribute, 'flow'), never by 'all'
     analysis: str = ""
 
@@ -468,7 +468,7 @@ def analysis(name: str) -> str:
 
 
 def is_attribution(name: str) -> bool:
-    """Whether a site is one of the direct logit attribution's (computed by tracing.attribution)."""
+    """Whether a site is one of the direct logit attribution's (computed by tracing.analyses.attribution)."""
     return analysis(name) == "attribution"
 
 

@@ -88,9 +88,9 @@ class Trace:
         return _canonical(save_bytes(tensors, metadata=self.metadata()))
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write atomically (tracing.output): a failure leaves no partial file, and a symlink, FIFO
+        """Write atomically (tracing.cli.output): a failure leaves no partial file, and a symlink, FIFO
         or device at ``path`` is refused rather than replaced."""
-        from .output import write_file
+        from .cli.output import write_file
 
         return write_file(path, self.to_bytes())
 

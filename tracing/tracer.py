@@ -18,12 +18,12 @@ import torch
 
 from model.config import ModelArgs
 
-from .attribution import AttributionRequest, Attributor
+from .analyses.attribution import AttributionRequest, Attributor
+from .analyses.flow import Flow
+from .analyses.heads import HeadReads
+from .analyses.interventions import Intervention, Replace
+from .analyses.recall import head_recall
 from .errors import InputError
-from .flow import Flow
-from .heads import HeadReads
-from .interventions import Intervention, Replace
-from .recall import head_recall
 from .sites import (
     LOGIT_LENS_TOPK,
     analysis,
@@ -46,9 +46,9 @@ class Tracer:
     ``on_block``: called with the block index before each block runs (progress).
     ``plan``: a :class:`model.parallel.ParallelPlan` under tensor parallelism; values that a rank
     holds only its heads of are gathered (every rank must trace with the same sites).
-    ``attribution``: the direct logit attribution's position and target (tracing.attribution); its
+    ``attribution``: the direct logit attribution's position and target (tracing.analyses.attribution); its
     sites are recorded with it, and with their defaults when named in ``record`` without it. The
-    contribution graph (tracing.flow) is computed when its sites are recorded (``flow``).
+    contribution graph (tracing.analyses.flow) is computed when its sites are recorded (``flow``).
 
     The logit lens (final norm and head applied to each block's output) is computed by hooks on
     the model's own ``norm`` and ``head`` while they run, so it works where weights are present

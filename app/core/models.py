@@ -19,7 +19,7 @@ import streamlit as st
 from model.checkpoint import INDEX, CheckpointError, SafetensorsSource
 from model.config import ModelArgs
 from model.stream import available_memory
-from tracing.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
+from tracing.cli.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
 
 from . import settings
 from .errors import BAD_INPUT

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from tracing.loading import resolve_checkpoint
+from tracing.cli.loading import resolve_checkpoint
 
 ENV_CHECKPOINT = "ANATOMY_CHECKPOINT"  # the default checkpoint: 'demo' (assets/demo) or a directory
 ENV_MAX_TOKENS = "ANATOMY_MAX_TOKENS"  # the longest prompt the app traces

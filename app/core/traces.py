@@ -19,11 +19,11 @@ import streamlit as st
 
 from model import kernels
 from model.config import ModelArgs
-from tracing.attribution import AttributionRequest
+from tracing.analyses.attribution import AttributionRequest
+from tracing.analyses.interventions import Intervention
 from tracing.chat import encode_chat
 from tracing.errors import InputError
-from tracing.interventions import Intervention
-from tracing.runner import check_token_ids, trace_tokens
+from tracing.run import check_token_ids, trace_tokens
 from tracing.sampling import Sampling
 from tracing.sites import site_shapes
 from tracing.tables import BUILDERS
@@ -276,14 +276,14 @@ def trace_prompt(
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
-    ``patches`` (site name -> tensor, as ``tracing.runner.trace_tokens`` takes them) change the run;
+    ``patches`` (site name -> tensor, as ``tracing.run.trace_tokens`` takes them) change the run;
     ``variant`` names them in the store's key (a run with patches needs one), e.g. a digest of the
     intervention, so a baseline and its intervened twin are cached side by side. ``interventions``
-    (tracing.interventions: ablations, no correction bias, another index_topk) are named in the key
+    (tracing.analyses.interventions: ablations, no correction bias, another index_topk) are named in the key
     by :func:`describe_interventions` on their own. ``generation``: the tokens to write after the
     prompt, through the decode path, with the interventions applied at every step; named in the key
     too; ``chat`` frames the prompt as a chat turn, also named in the key. ``attribution``
-    (tracing.attribution) and ``record`` (site patterns instead of the app's usual ones) add an
+    (tracing.analyses.attribution) and ``record`` (site patterns instead of the app's usual ones) add an
     analysis to the run; name them in ``variant``. InputError says what is wrong with any of them.
     """
     if patches and variant is None:

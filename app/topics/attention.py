@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from tracing.grid import index_grid
+from tracing.tables.grid import index_grid
 from tracing.trace import Trace
 
 from .arrays import future_mask, site

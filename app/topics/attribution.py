@@ -1,5 +1,5 @@
-"""Attribution: which parts of the final stream made one logit (tracing.attribution), and the
-contribution graph (tracing.flow). Shaping from the trace's attribution table and sites, and the
+"""Attribution: which parts of the final stream made one logit (tracing.analyses.attribution), and the
+contribution graph (tracing.analyses.flow). Shaping from the trace's attribution table and sites, and the
 page's figures: the largest parts as a waterfall, blocks x parts, one block's heads and experts
 (each expert with the tokens its output promotes and suppresses), the prompt coloured by what each
 token brought through the attention, and the graph of positions x blocks."""
@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from tracing.attribution import AttributionRequest
-from tracing.tables import ATTRIBUTION_PARTS, attribution_table
+from tracing.analyses.attribution import AttributionRequest
+from tracing.tables.frames import ATTRIBUTION_PARTS, attribution_table
 from tracing.trace import Trace
 
 from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, positions, reversed_axis

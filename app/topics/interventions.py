@@ -1,4 +1,4 @@
-"""Interventions: a baseline and an intervened trace of one prompt, compared (tracing.diff): where
+"""Interventions: a baseline and an intervened trace of one prompt, compared (tracing.analyses.diff): where
 the stream starts to move, which experts, keys and lens predictions changed, how the next token moved.
 Also what the page picks per block (experts to ablate or zero, heads to ablate) as plain values."""
 
@@ -12,8 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from model.config import ModelArgs
-from tracing.attribution import removable
-from tracing.interventions import AblateHeads, from_spec
+from tracing.analyses.attribution import removable
+from tracing.analyses.interventions import AblateHeads, from_spec
 from tracing.trace import Trace
 
 from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, right_axis, rows_figure, write_cells
@@ -115,7 +115,7 @@ def next_token_change(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     return frame
 
 
-# the diff tables (tracing.diff.diff_tables) as the page lists them: title, what a row is
+# the diff tables (tracing.analyses.diff.diff_tables) as the page lists them: title, what a row is
 TABLES = {
     "stream": (
         "Residual stream",

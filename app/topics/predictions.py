@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from tracing.tables import logit_lens_table, next_token_table
+from tracing.tables.frames import logit_lens_table, next_token_table
 from tracing.trace import Trace
 
 from .figures import COLORS, figure, heatmap, positions, reversed_axis, rows_figure, write_cells

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import torch
 
 from model.moe import RouterRule, select_experts
-from tracing.grid import index_grid
+from tracing.tables.grid import index_grid
 from tracing.trace import Trace
 
 from .arrays import site

@@ -21,7 +21,7 @@ from app.pages import PAGES
 from app.topics import attribution as topic
 from app.topics import interventions
 from app.topics.tokens import labels
-from tracing.attribution import AttributionRequest
+from tracing.analyses.attribution import AttributionRequest
 
 FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)
 PICKED_FOR = "attr_picked_for"  # the plain trace's key the pickers were set for

@@ -4,7 +4,7 @@ compare the two traces side by side: where the residual stream starts to move, w
 keys changed, and how the predictions moved.
 
 The session keeps only the widgets' values and the last run's spec (small dicts, read by
-tracing.interventions.from_spec); the baseline and the intervened trace live in the process-wide
+tracing.analyses.interventions.from_spec); the baseline and the intervened trace live in the process-wide
 store (app.core.traces), the diff tables and figures in the intervened entry's memo.
 """
 
@@ -21,7 +21,7 @@ from app.core.session import current, session_model
 from app.core.traces import Entry, store, trace_prompt
 from app.topics import experts
 from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, ZERO, PerBlock, listing, moe_block_ids
-from tracing.interventions import from_spec
+from tracing.analyses.interventions import from_spec
 
 ATTENTION = ("model", "dense", "topk")
 # widget values kept while the page is not drawn (another page, another block's list); + each PerBlock's keys

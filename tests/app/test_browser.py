@@ -1,0 +1,253 @@
+"""The app in a real browser: `streamlit run` on a free local port, Debian's chromium driven through
+Playwright's Python package (no browser download). Types a prompt, traces it, checks that a plot and
+a card (KaTeX equation, code) rendered, downloads a CSV, and saves a screenshot to artifacts/app.png;
+generates and opens each of the Generation page's tabs; and draws every figure of the app in plotly.js
+to check that it fits its margins (a figure that does not is drawn twice)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.chromium import ARGS as CHROMIUM_ARGS
+from tests.chromium import CHROMIUM
+from tests.devcheckpoint import demo_or_dev_checkpoint
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts"
+PROMPT = "The lightning indexer chooses which earlier keys each query may attend to."
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+if not CHROMIUM.exists():
+    pytest.skip("no /usr/bin/chromium (apt-get install chromium); the test never downloads a browser", allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    checkpoint = demo_or_dev_checkpoint(tmp_path_factory.mktemp("browser"))
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "streamlit.log"
+    env = {**os.environ, "ANATOMY_CHECKPOINT": checkpoint, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(REPO / "app" / "main.py"),
+        "--server.headless=true",
+        f"--server.port={port}",
+        "--server.address=127.0.0.1",
+        "--browser.gatherUsageStats=false",
+        "--server.fileWatcherType=none",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"streamlit did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def open_page(server: str):
+    """A page of the app in a fresh headless chromium (downloads accepted), closed afterwards."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
+            page.set_default_timeout(120_000)
+            page.goto(server)
+            yield page
+        finally:
+            browser.close()
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_trace_a_prompt_in_the_browser(server):
+    with open_page(server) as page:
+        page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on first load
+
+        prompt = page.locator('[data-testid="stSidebar"] [data-testid="stTextArea"] textarea')
+        prompt.fill(PROMPT)
+        page.get_by_role("button", name="Trace", exact=True).click()
+        page.get_by_text(f"“{PROMPT}”").wait_for()  # the page header names the traced prompt
+        page.locator(".js-plotly-plot").first.wait_for()
+
+        page.get_by_role("link", name="Block anatomy").click()
+        page.locator('[data-testid="stMain"] .katex-display').first.wait_for()  # the card's equations
+        page.locator('[data-testid="stMain"] .js-plotly-plot').first.wait_for()  # its live plot
+        # waits rather than counts: Streamlit may redraw the page once more after a page switch
+        page.locator('[data-testid="stMain"] .katex-display').nth(1).wait_for()  # at least two equations
+        page.locator('[data-testid="stCode"]', has_text="def forward").first.wait_for()
+        page.set_viewport_size({"width": 1440, "height": 2400})  # the app scrolls inside: show more of it
+        page.wait_for_timeout(1500)  # let plotly redraw at the new size before the picture
+        page.screenshot(path=str(ARTIFACTS / "app.png"))
+        page.set_viewport_size({"width": 1440, "height": 1000})
+
+        page.get_by_role("link", name="Export").click()
+        row = page.locator('[data-testid="stHorizontalBlock"]', has=page.get_by_text("router ·")).first
+        row.wait_for()
+        with page.expect_download() as download:
+            row.get_by_role("button", name="CSV").click()
+        path = download.value.path()
+        text = Path(path).read_bytes().decode("utf-8")
+        header = text.split("\r\n", 1)[0]
+        assert header == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
+        assert download.value.suggested_filename.endswith("-router.csv")
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_generate_in_the_browser(server):
+    """The sidebar's Generate control writes tokens; the Generation page draws the coloured text and its plots."""
+    with open_page(server) as page:
+        page.locator(".js-plotly-plot").first.wait_for()
+        page.get_by_role("link", name="Generation").click()
+        page.get_by_text("This trace only reads its prompt").wait_for()
+
+        sidebar = page.locator('[data-testid="stSidebar"]')
+        sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
+        tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
+        tokens.fill("5")
+        tokens.press("Enter")
+        page.get_by_role("button", name="Trace", exact=True).click()
+        page.locator(".generated-token").first.wait_for()
+        page.wait_for_function("() => document.querySelectorAll('.generated-token').length >= 1")
+        assert page.locator(".generated-token").count() <= 5
+        main = page.locator('[data-testid="stMain"]')
+        main.get_by_text("The ten most likely tokens", exact=False).first.wait_for()
+        for tab, title in (  # one view per tab, drawn when its tab opens
+            ("Experts", "Experts chosen at position"),
+            ("Indexer picks", "indexer scores over the cache"),
+            ("Logit lens", "Logit lens at position"),
+            ("As the text grows", "how far back the indexer"),
+        ):
+            main.get_by_role("tab", name=tab, exact=True).click()
+            main.get_by_text(title, exact=False).first.wait_for()
+        main.locator(".js-plotly-plot .main-svg").nth(1).wait_for()  # both plots of the last tab
+        page.set_viewport_size({"width": 1440, "height": 2400})
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(ARTIFACTS / "generation.png"))
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_attribution_in_the_browser(server):
+    """The Attribution page splits the prediction (its plots and the coloured prompt), then draws the
+    contribution graph on the button."""
+    with open_page(server) as page:
+        page.locator(".js-plotly-plot").first.wait_for()
+        page.get_by_role("link", name="Attribution", exact=True).click()
+        main = page.locator('[data-testid="stMain"]')
+        main.get_by_text("The largest parts of", exact=False).first.wait_for()
+        page.locator(".attributed-token").first.wait_for()
+        main.get_by_text("each head's part", exact=False).first.wait_for()
+        page.get_by_role("button", name="Compute the contribution graph").click()
+        main.get_by_text("Contribution graph into position", exact=False).first.wait_for()
+        page.set_viewport_size({"width": 1440, "height": 3000})
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(ARTIFACTS / "attribution.png"))
+
+
+def drawn_figures() -> dict[str, dict]:
+    """Every figure the app draws on a generated trace, as the JSON it sends: each page, each of its
+    tabs, each anatomy card (AppTest, no server)."""
+    import json
+
+    from streamlit.testing.v1 import AppTest
+
+    from app.topics import cards
+    from tests.app.test_app import APP, TABS, open_tab
+
+    at = AppTest.from_file(APP, default_timeout=120).run()
+    at.number_input(key="gen_tokens").set_value(4)
+    at.button(key="run").click().run()
+    figures = {}
+
+    def collect(where: str) -> None:
+        assert not at.exception, (where, [e.value for e in at.exception])
+        for chart in at.get("plotly_chart"):
+            spec = json.loads(chart.proto.spec)
+            figures[f"{where}: {spec['layout'].get('title', {}).get('text', '')}"] = spec
+
+    generation = ("Alternatives", "Experts", "Indexer picks", "Logit lens", "As the text grows", "Probabilities")
+    tabs = {page: (key, list(views)) for page, (key, views) in TABS.items()} | {"generation": ("generation_tab", generation)}
+    for page, (key, labels) in tabs.items():
+        at.switch_page(f"views/{page}.py").run()
+        for label in labels:
+            open_tab(at, key, label)
+            collect(f"{page}/{label}")
+    at.switch_page("views/anatomy.py").run()
+    for card_id in cards.load_cards():
+        at.button_group(key="anatomy_component").set_value(card_id).run()
+        collect(f"anatomy/{card_id}")
+    return figures
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)
+def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch):
+    """Each figure comes with margins its labels, colour bars and legend fit in (app.topics.margins):
+    plotly's automargin, which would otherwise grow a margin by drawing the figure a second time, finds
+    nothing to grow, at a half-page and at a full-page width."""
+    import plotly
+
+    monkeypatch.setenv("ANATOMY_CHECKPOINT", demo_or_dev_checkpoint(tmp_path_factory.mktemp("figures")))
+    figures = drawn_figures()
+    assert len(figures) > 25
+    script = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    grown = {}
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.set_content("<html><body></body></html>")
+            page.add_script_tag(path=str(script))
+            for name, spec in figures.items():
+                for width in (620, 1250):
+                    sizes = page.evaluate(
+                        """async ([fig, width]) => {
+                            const div = document.createElement('div'); document.body.appendChild(div);
+                            await Plotly.newPlot(div, fig.data, {...fig.layout, width}, {displaylogo: false});
+                            const s = div._fullLayout._size, m = fig.layout.margin;
+                            const out = [[s.l, s.r, s.t, s.b], [m.l, m.r, m.t, m.b]];
+                            Plotly.purge(div); div.remove(); return out;
+                        }""",
+                        [spec, width],
+                    )
+                    drawn, own = sizes
+                    if any(d > o + 0.5 for d, o in zip(drawn, own, strict=True)):
+                        grown[f"{name} @{width}"] = (own, [round(d) for d in drawn])
+        finally:
+            browser.close()
+    assert not grown, grown

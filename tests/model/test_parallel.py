@@ -1,0 +1,258 @@
+"""Tensor and expert parallelism: 2 ranks with gloo give the trace of one process.
+
+The ranks are two processes started as ``torchrun`` would start them (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT in the environment), running this file as a script; rank 0 writes what the
+hook points saw to a safetensors file, which the tests compare with one process's values.
+
+Tolerances: selections (experts, groups, indexer keys) must be identical. Float values may differ
+by float32 summation order (partial products summed across ranks); after the cast to bfloat16
+that moves a value by at most one bfloat16 unit in rare elements, so residuals, scores and
+logits are compared with rtol = atol = 2**-7 (one bfloat16 unit at 1), and in practice agree
+much more closely (the largest difference is printed when a test fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parents[2]
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+
+from model import TINY  # noqa: E402
+from model.checkpoint import SafetensorsSource, build_model, load_model, save_checkpoint  # noqa: E402
+from model.parallel import ParallelError, gather_heads, init_distributed, make_plan, parallelize  # noqa: E402
+from model.synthetic import SyntheticSource  # noqa: E402
+from tracing.sites import layer_site, spec  # noqa: E402
+
+DEMO = REPO / "assets" / "demo"
+# TINY's heads are 96 + 32 wide, so 2 heads per rank cut FP8 blocks: TINY splits only its experts
+# and vocabulary. This variant splits everything on 128 boundaries over 2 ranks.
+TP_TINY = TINY.replace(qk_nope_head_dim=64, v_head_dim=64, inter_dim=512, n_shared_experts=2)
+TOKENS = 40
+TOL = 2**-7
+
+
+def default_sites(model) -> list[str]:
+    """The trace contract's default sites, plus the (gathered) attention probabilities."""
+    names = []
+    for i, block in enumerate(model.layers):
+        names += [f"layers.{i}.{s}" for s in ("resid_pre", "resid_mid", "resid_post")]
+        names += [f"layers.{i}.attn.indexer.{s}" for s in ("scores", "topk_indices")]
+        names.append(f"layers.{i}.attn.probs")
+        if hasattr(block.ffn, "gate"):
+            names += [f"layers.{i}.ffn.gate.{s}" for s in ("scores", "topk_indices", "topk_weights")]
+            names += [f"layers.{i}.ffn.{s}" for s in ("routed_out", "shared_out")]
+    return names + ["logits.last"]
+
+
+def record(model, plan, fn, /, *args, **kwargs) -> dict[str, torch.Tensor]:
+    """Call ``fn(*args, **kwargs)`` with recording hooks on the default sites of ``model``;
+    returns name -> value (batch dropped), gathered where a rank holds only its heads."""
+    store, handles = {}, []
+    modules = dict(model.named_modules())
+    for name in default_sites(model):
+
+        def hook(module, inputs, output, name=name):
+            if spec(name).rank_local:
+                output = gather_heads(output, plan, layer_site(name)[0])
+            value = output.detach().cpu().clone()
+            store[name] = value[0] if module.shape.startswith("B") else value  # gate sites are (N, ...)
+
+        handles.append(modules[name].register_forward_hook(hook))
+    try:
+        with torch.inference_mode():
+            fn(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return store
+
+
+def case_tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+
+
+def one_process(directory: Path) -> dict[str, torch.Tensor]:
+    model = load_model(directory)
+    tokens = case_tokens(model.args.vocab_size)
+    return record(model, None, model, tokens)
+
+
+# -------------------------------------------------------------------------------------------------
+# the worker: python tests/test_parallel.py OUT_DIR NAME=CHECKPOINT ...
+
+
+def worker(out: Path, cases: dict[str, str]) -> None:
+    from model.parallel import load_parallel
+    from model.stream import stream_forward
+
+    ctx = init_distributed("cpu")
+    assert ctx is not None and ctx.world == 2
+    for name, directory in cases.items():
+        source = SafetensorsSource(directory)
+        tokens = case_tokens(source.args.vocab_size)
+        model, plan = load_parallel(source, "cpu")
+        values = record(model, plan, model, tokens)
+        held = sorted({int(n.split(".")[4]) for n, _ in model.named_parameters() if ".experts." in n})
+        meta = {"notes": json.dumps(plan.notes), "experts": json.dumps(held), "split": json.dumps(plan.split_attention)}
+        loaded = load_model(source)  # loaded whole, then split (each rank keeps its part)
+        lplan = parallelize(loaded)
+        split_after = record(loaded, lplan, loaded, tokens)
+        streamed_model = build_model(source.args)
+        splan = parallelize(streamed_model)
+        streamed = record(streamed_model, splan, stream_forward, streamed_model, source, tokens, "cpu", plan=splan)
+        if ctx.rank == 0:
+            save_file(values, str(out / f"{name}.safetensors"), metadata=meta)
+            save_file(streamed, str(out / f"{name}-stream.safetensors"))
+            save_file(split_after, str(out / f"{name}-split.safetensors"))
+        else:  # rank 1's own view of the replicated values, to check the ranks agree
+            save_file(values, str(out / f"{name}-rank1.safetensors"), metadata=meta)
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(out: Path, cases: dict[str, Path]) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+        env.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        cmd = [sys.executable, __file__, str(out), *(f"{k}={v}" for k, v in cases.items())]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    if any(p.returncode for p in procs):
+        raise AssertionError("a rank failed:\n" + "\n".join(outputs))
+
+
+# -------------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoint(tmp_path_factory) -> Path:
+    source = SyntheticSource(TP_TINY, seed=2)
+    tensors = {name: source.load(name) for name in source.specs()}
+    return save_checkpoint(tensors, TP_TINY, tmp_path_factory.mktemp("tp") / "ckpt", n_shards=3)
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_checkpoint, tp_checkpoint) -> dict[str, Path]:
+    found = {"tiny": tiny_checkpoint, "tp": tp_checkpoint}
+    if (DEMO / "config.json").exists():
+        found["demo"] = DEMO
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, cases) -> Path:
+    out = tmp_path_factory.mktemp("ranks")
+    run_two_ranks(out, cases)
+    return out
+
+
+def assert_same_trace(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        other = got[name]
+        assert other.shape == value.shape and other.dtype == value.dtype, name
+        if value.dtype == torch.int64:
+            assert torch.equal(other, value), f"{name}: selections differ"
+        else:
+            assert torch.equal(other.isinf(), value.isinf()), f"{name}: masks differ"
+            finite = value.isfinite()
+            diff = (other[finite] - value[finite]).abs().max().item() if finite.any() else 0.0
+            torch.testing.assert_close(other, value, rtol=TOL, atol=TOL, msg=f"{name}: max difference {diff}")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tp", "demo"])
+def test_two_ranks_give_the_trace_of_one_process(two_ranks, cases, name):
+    if name not in cases:
+        pytest.skip("assets/demo does not exist yet")
+    got = load_file(str(two_ranks / f"{name}.safetensors"))
+    assert_same_trace(got, one_process(cases[name]))
+
+
+@pytest.mark.parametrize("how", ["stream", "split"])
+@pytest.mark.parametrize("name", ["tiny", "tp"])
+def test_two_ranks_streaming_or_splitting_a_loaded_model_give_the_trace_of_one_process(two_ranks, cases, name, how):
+    got = load_file(str(two_ranks / f"{name}-{how}.safetensors"))
+    assert_same_trace(got, one_process(cases[name]))
+
+
+def test_one_process_is_left_alone(tiny_model, tokens):
+    """Without a process group nothing is split or swapped, and no collective runs."""
+    classes = [type(m) for m in tiny_model.modules()]
+    with torch.inference_mode():
+        before = tiny_model(tokens)
+    plan = parallelize(tiny_model)
+    assert plan.world == 1 and not plan.parts and plan.experts == range(TINY.n_routed_experts)
+    assert [type(m) for m in tiny_model.modules()] == classes
+    with torch.inference_mode():
+        assert torch.equal(tiny_model(tokens), before)
+    assert init_distributed("cpu") is None  # no torchrun environment
+
+
+def test_ranks_hold_their_part_and_agree(two_ranks):
+    from safetensors import safe_open
+
+    with safe_open(str(two_ranks / "tp.safetensors"), "pt") as f:
+        meta0 = f.metadata()
+    with safe_open(str(two_ranks / "tp-rank1.safetensors"), "pt") as f:
+        meta1 = f.metadata()
+    assert json.loads(meta0["notes"]) == [] and json.loads(meta0["split"]) == [0, 1, 2]
+    assert json.loads(meta0["experts"]) == list(range(8)) and json.loads(meta1["experts"]) == list(range(8, 16))
+    # every recorded value is the whole value on both ranks: bitwise the same
+    a, b = load_file(str(two_ranks / "tp.safetensors")), load_file(str(two_ranks / "tp-rank1.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    with safe_open(str(two_ranks / "tiny.safetensors"), "pt") as f:
+        notes = json.loads(f.metadata()["notes"])
+    assert any("layers.0.attn replicated" in n for n in notes)
+
+
+def test_plan_splits_the_671b_model_on_block_boundaries():
+    from model.config import ModelArgs
+    from model.synthetic import truncate_layers
+
+    args = truncate_layers(ModelArgs.from_file(REPO / "assets/configs/config_671B_hf.json"), 6)  # 3 dense, 3 MoE
+    plan = make_plan(build_model(args), rank=3, world=8, strict=True)
+    assert plan.experts == range(96, 128) and plan.split_attention == list(range(6))
+    parts = plan.parts
+    assert parts["layers.0.attn.wq_b.weight"].start == 3 * 16 * 192  # 16 heads of 192 per rank
+    assert parts["layers.0.attn.wo.scale"].dim == 1 and parts["layers.0.attn.wo.scale"].stop == 4 * 16
+    assert parts["layers.5.ffn.shared_experts.w2.weight"].stop - parts["layers.5.ffn.shared_experts.w2.weight"].start == 256
+    assert parts["head.weight"].stop - parts["head.weight"].start == 129280 // 8
+    assert not any(".indexer." in n for n in parts)  # the indexer stays whole on every rank
+
+
+def test_strict_plan_names_the_layer_that_cannot_be_split():
+    model = build_model(TINY)
+    with pytest.raises(ParallelError, match=r"layers\.0\.attn replicated: wq_b rows: 192 per rank is not a multiple"):
+        make_plan(model, rank=0, world=2, strict=True)
+    plan = make_plan(model, rank=1, world=2)
+    assert plan.experts == range(8, 16) and "embed.weight" in plan.parts and not plan.split_attention
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]), dict(arg.split("=", 1) for arg in sys.argv[2:]))

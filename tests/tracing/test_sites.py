@@ -1,0 +1,50 @@
+"""The one registry of trace sites: the model's hook points, what a run records, and the docs agree with it."""
+
+from pathlib import Path
+
+from model import TINY
+from model.checkpoint import build_model
+from tracing.run import trace_tokens
+from tracing.sites import REGISTRY, hook_points, layer_site, markdown_table, site_shapes, spec
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+
+
+def test_every_hook_point_of_the_model_is_a_registry_row_with_its_legend():
+    model = build_model(TINY)  # a dense block, then MoE blocks
+    points = hook_points(model)
+    assert points
+    for name, point in points.items():
+        row = spec(name)
+        assert row is not None, f"hook point {name} is not in tracing.sites.REGISTRY"
+        assert row.legend == point.shape, name
+        assert row.derived_from is None and row.patchable, name
+    shapes = site_shapes(TINY)
+    hooked = {name for name in shapes if spec(name).derived_from is None}
+    assert hooked == set(points)  # and no registry row names a hook point the model lacks
+
+
+def test_derived_rows_name_what_they_are_computed_from():
+    suffixes = {row.suffix for row in REGISTRY}  # model-level rows' patterns too
+    for row in REGISTRY:
+        assert row.blocks in ("all", "moe", "model"), row.pattern
+        assert row.derived_from is None or row.derived_from in suffixes, row.pattern
+        assert all(read in suffixes for read in row.reads), row.pattern
+        assert not (row.derived_from and row.patchable), row.pattern
+
+
+def test_every_recorded_site_is_in_the_registry_with_its_dtype(tiny_model):
+    trace = trace_tokens(tiny_model, [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3], record="all")
+    assert len(trace.tensors) > 50
+    for name, value in trace.tensors.items():
+        if name == "tokens":
+            continue
+        row = spec(name)
+        assert row is not None, f"recorded site {name} is not in tracing.sites.REGISTRY"
+        assert value.dtype == row.dtype, name
+        where = layer_site(name)
+        assert where is None or trace.site(*where) is value
+
+
+def test_the_docs_table_is_the_registry():
+    assert markdown_table() in DOCS.read_text(), "docs/cli.md's site table differs from tracing.sites.markdown_table()"

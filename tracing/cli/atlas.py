@@ -1,0 +1,94 @@
+"""``python -m tracing atlas``: its arguments and its command (tracing.cli registers them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..errors import InputError
+from .loading import add_device_options, add_source_options
+
+
+def add_parser(sub) -> None:
+    atlas = sub.add_parser(
+        "atlas",
+        help="count routing and sparse attention over a corpus: expert load, co-activation, specialisation, "
+        "bias effect, indexer reach, recall and sinks (Parquet tables and summary.json)",
+    )
+    add_source_options(atlas, "synthetic weights of this config (needs --tokenizer)")
+    atlas.add_argument("--tokenizer", metavar="DIR", help="with --synthetic: a directory with tokenizer.json, or 'demo'")
+    texts = atlas.add_mutually_exclusive_group()
+    texts.add_argument("--text-file", action="append", metavar="F", help="a UTF-8 text file (repeat for more)")
+    texts.add_argument("--jsonl", action="append", metavar="F", help="JSON Lines, one text per record (repeat for more)")
+    atlas.add_argument("--field", default="text", help="with --jsonl: the field that holds the text (default text)")
+    atlas.add_argument("--out", required=True, metavar="DIR", help="the atlas directory (tables, summary.json, checkpoint)")
+    atlas.add_argument(
+        "--seq-len", type=int, help="positions per sequence, BOS included (default 512, at most the model's limit)"
+    )
+    atlas.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
+    atlas.add_argument("--max-tokens", type=int, metavar="N", help="stop after N positions of the corpus")
+    add_device_options(atlas)
+    atlas.add_argument(
+        "--parallel",
+        choices=("data", "model"),
+        default="data",
+        help="under torchrun: each rank runs its share of the batches with the whole model (data, default), "
+        "or every rank runs every batch with the model split over the ranks (model: tensor and expert parallel)",
+    )
+    atlas.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (no batch counted twice)")
+    atlas.add_argument(
+        "--checkpoint-every", type=float, default=300.0, metavar="SECONDS", help="write the checkpoint this often (default 300)"
+    )
+    atlas.add_argument("--min-count", type=int, default=5, help="fewest occurrences of a token (or expert-token pair) to rank")
+    atlas.set_defaults(func=cmd_atlas)
+
+
+def cmd_atlas(args: argparse.Namespace) -> int:
+    from model.checkpoint import SafetensorsSource
+    from model.config import ConfigError
+    from model.synthetic import synthetic_source
+
+    from ..atlas import AtlasJob
+    from ..atlas.corpus import Source
+    from ..tokenizer import Tokenizer
+    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint
+
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if args.checkpoint_every < 0:
+        raise InputError(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more seconds")
+    sources = [Source(Path(f)) for f in args.text_file or ()] + [Source(Path(f), args.field) for f in args.jsonl or ()]
+    if args.synthetic:
+        if args.tokenizer is None:
+            raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
+        try:
+            config = synthetic_source(args.synthetic, args.n_layers).args
+        except ConfigError as exc:
+            raise InputError(str(exc)) from None
+        tokenizer, label = Tokenizer(resolve_checkpoint(args.tokenizer)), f"synthetic:{args.synthetic}"
+    else:
+        for flag in ("n_layers", "tokenizer"):
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag.replace('_', '-')} applies to --synthetic only")
+        directory = resolve_checkpoint(args.checkpoint)
+        config = SafetensorsSource(directory).args  # the config alone: weights load once the texts are checked
+        if not (directory / "tokenizer.json").is_file():
+            raise InputError(f"{directory} has no tokenizer.json: the atlas reads text")
+        tokenizer, label = Tokenizer(directory), "demo" if directory == DEMO else str(directory.resolve())
+    job = AtlasJob(
+        sources,
+        tokenizer,
+        config,
+        args.out,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        min_count=args.min_count,
+        label=label,
+        resume=args.resume,
+    )
+    loaded = open_from_args(args, device, dtype, split=args.parallel == "model")
+    draw = int(os.environ.get("RANK", "0")) == 0 and sys.stderr.isatty()
+    job.run(loaded, checkpoint_every=args.checkpoint_every, progress=draw)
+    return 0

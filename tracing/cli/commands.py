@@ -1,0 +1,363 @@
+"""python -m tracing {run, export, info, eval, diff, atlas}: the command line of docs/architecture.md (Contracts).
+
+Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
+leaves no partial output file behind (outputs are written to a temporary name, then renamed); so
+does an output that cannot be written (tracing.cli.output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from model import kernels
+from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
+from model.config import ConfigError, ModelArgs
+from model.params import count_params
+
+from ..errors import InputError
+from ..tokenizer import TokenizerError
+from ..trace import Trace, TraceError
+from . import atlas as atlas_cli
+from .loading import (
+    add_device_options,
+    add_source_options,
+    open_checkpoint,
+    open_from_args,
+    parse_device,
+    parse_dtype,
+    resolve_checkpoint,
+)
+from .progress import ProgressBar, stream_bar
+
+BAD_INPUT = (CheckpointError, ConfigError, InputError, TraceError, TokenizerError)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--token-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise InputError("--token-ids is empty: nothing to trace")
+    return ids
+
+
+def _load_patches(path: str) -> dict:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise InputError(f"{path}: not a readable patch file ({exc})") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..chat import encode_chat
+    from ..run import trace_tokens
+    from ..sampling import Sampling
+    from ..tables import stage_tables, tables
+    from .output import Outputs, check_directory, check_file
+
+    check_file(args.out)  # before the run, which may take long; checked again when writing
+    sampling = Sampling(args.temperature, args.top_p, args.seed)  # bad values: before the model loads
+    if args.chat and args.prompt is None:
+        raise InputError("--chat wraps a --prompt; token ids are used as they are")
+    if args.thinking and not args.chat:
+        raise InputError("--thinking applies to --chat")
+    if args.generate < 0:
+        raise InputError(f"--generate must be 0 or more, not {args.generate}")
+    if args.csv:
+        check_directory(args.csv)
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # before the ranks load their parts (the tracer checks again)
+        from ..tracer import refuse_parallel
+
+        asked = {p.strip() for p in args.record.split(",")} | ({"attribution"} if args.attribute else set())
+        refuse_parallel(asked & {"attribution", "flow"})
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
+    draw = rank0 and sys.stderr.isatty()  # a progress bar redrawn in place is for a terminal, not a log
+    stream_progress = None
+    if draw:
+        stream_progress = stream_bar()
+    if args.synthetic and args.prompt is not None:
+        raise InputError("synthetic weights have no tokenizer: pass --token-ids instead of --prompt")
+    loaded = open_from_args(args, device, dtype, stream_progress)
+    tokenizer = loaded.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise InputError(f"{loaded.label} has no tokenizer.json: pass --token-ids")
+        if not args.prompt.strip():
+            raise InputError("the prompt is empty: nothing to trace")
+        ids = encode_chat(tokenizer, args.prompt, args.thinking) if args.chat else tokenizer.encode(args.prompt)
+    else:
+        ids = _token_ids(args.token_ids)
+    patches = _load_patches(args.patch) if args.patch else None
+    interventions = _interventions(args)
+    attribution = _attribution(args, tokenizer, len(ids), loaded.model.args.vocab_size)
+    progress = ProgressBar(len(loaded.model.layers), enabled=draw and not loaded.stream)  # streaming draws its own
+    trace = trace_tokens(
+        loaded.model,
+        ids,
+        prompt=args.prompt or "",
+        record=args.record,
+        patches=patches,
+        on_block=lambda i: progress.update(i + 1, f"layers.{i}"),
+        extra={"checkpoint": loaded.label},
+        token_strings=tokenizer.token_strings if tokenizer else None,
+        interventions=interventions,
+        device=loaded.device,
+        context=loaded.context(),
+        plan=loaded.plan,
+        prefill=args.prefill,
+        generate=args.generate,
+        sampling=sampling,
+        attribution=attribution,
+    )
+    progress.close()
+    if rank0 and (bad := trace.extra.get("nonfinite")):
+        at = "" if bad["position"] is None else f" at position {bad['position']}"
+        print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
+    if rank0:
+        with Outputs() as out:  # the trace and its tables land together or not at all
+            out.file(args.out, trace.to_bytes())
+            if args.csv:
+                stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
+    return 0
+
+
+def _attribution(args: argparse.Namespace, tokenizer, n_tokens: int, vocab_size: int):
+    """The --attribute request; a target or contrast given as text must be one token of the checkpoint's tokenizer."""
+    from ..analyses.attribution import AttributionRequest
+
+    if not args.attribute:
+        for flag in ("position", "target", "contrast"):
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag} applies to --attribute")
+        return None
+    target, contrast = (_token(f"--{flag}", getattr(args, flag), tokenizer) for flag in ("target", "contrast"))
+    request = AttributionRequest(args.position, target, contrast)
+    request.check(n_tokens + max(args.generate, 0), vocab_size)  # before the model runs
+    return request
+
+
+def _token(flag: str, text: str | None, tokenizer) -> int | None:
+    """A token id from its number, or from its text (one token of the tokenizer, or a token's own name)."""
+    if text is None:
+        return None
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    if tokenizer is None:
+        raise InputError(f"{flag} {text!r}: no tokenizer to encode it with; pass a token id")
+    known = tokenizer.token_id(text)
+    if known is not None:
+        return known
+    ids = tokenizer.encode(text, add_bos=False)
+    if not ids:
+        raise InputError(f"{flag} {text!r} is not a token of this tokenizer")
+    if len(ids) > 1:
+        raise InputError(f"{flag} {text!r} is {len(ids)} tokens ({', '.join(map(str, ids))}); give one token")
+    return ids[0]
+
+
+def _interventions(args: argparse.Namespace) -> list:
+    from ..analyses.interventions import from_spec
+
+    if args.dense_attention and args.index_topk is not None:
+        raise InputError("--dense-attention and --index-topk exclude each other")
+    no_bias = "all" if args.no_gate_bias else None
+    attention = "dense" if args.dense_attention else args.index_topk
+    return from_spec(
+        {
+            "ablate": args.ablate_experts or "",
+            "zero_experts": args.zero_experts or "",
+            "ablate_heads": args.ablate_heads or "",
+            "no_bias": no_bias,
+            "attention": attention,
+        }
+    )
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from ..analyses.diff import diff_tables, summary
+    from ..tables import write_tables
+
+    a, b = Trace.load(args.a), Trace.load(args.b)
+    tables = diff_tables(a, b)
+    line = json.dumps(summary(a, b, tables))
+    if args.csv:
+        write_tables(tables, args.csv)
+    print(line)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..tables import export
+
+    export(Trace.load(args.trace), args.csv, parquet=args.parquet)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    if args.checkpoint:
+        config = SafetensorsSource(resolve_checkpoint(args.checkpoint)).args
+    else:
+        config = ModelArgs.from_file(args.config)
+    out = count_params(config)
+    out.update(
+        n_layers=config.n_layers,
+        n_dense_layers=config.n_dense_layers,
+        n_moe_layers=config.n_moe_layers,
+        dim=config.dim,
+        vocab_size=config.vocab_size,
+        n_routed_experts=config.n_routed_experts,
+        n_activated_experts=config.n_activated_experts,
+        index_topk=config.index_topk,
+        dtype=config.dtype,
+        config=config.to_reference(),
+        **kernels.describe(),
+    )
+    if args.tensors:
+        specs = expected_specs(config)
+        out["tensors"] = {name: [list(s.shape), dtype_name(s.dtype)] for name, s in specs.items()}
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..analyses.evaluate import evaluate
+
+    path = Path(args.text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the text file ({exc})") from None
+    if not text.strip():
+        raise InputError(f"{path}: the text file is empty")
+    loaded = open_checkpoint(args.checkpoint, parse_device(args.device), parse_dtype(args.dtype))
+    if loaded.tokenizer is None:
+        raise InputError(f"{loaded.label} has no tokenizer.json: eval needs one")
+    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text)))
+    return 0
+
+
+def _leave_process_group() -> None:
+    """Under torchrun: wait for every rank (rank 0 may still be writing), then close the group, so
+    no communication thread outlives the interpreter (that aborts the process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+_REUSED = (
+    " (a reused directory loses the table files of an earlier run, tokens.csv, router.parquet and the like, "
+    "that this one does not write; other files stay)"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tracing", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="trace one prompt into a .safetensors trace file")
+    add_source_options(run, "synthetic weights of this config (no download)")
+    inp = run.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
+    inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    run.add_argument(
+        "--out", required=True, help="trace file to write (.safetensors); replaces a regular file, refuses anything else"
+    )
+    run.add_argument("--csv", help=f"also write every table as CSV into this directory{_REUSED}")
+    run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
+    add_device_options(run)
+    run.add_argument(
+        "--prefill",
+        type=int,
+        metavar="N",
+        help="run the first N positions as one prefill and each later one alone through the decode path "
+        "(absorbed attention over the cached latents, as a generation does); default: one prefill of all",
+    )
+    run.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the prompt, generate N tokens through the decode path (stops after the end-of-sequence token)",
+    )
+    run.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 (default) is greedy; above 0 samples")
+    run.add_argument("--top-p", type=float, default=1.0, help="with --generate and a temperature: nucleus sampling (0, 1]")
+    run.add_argument("--seed", type=int, help="with --generate and a temperature: the sampling seed (default: drawn, recorded)")
+    run.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of DeepSeek-V3.2's chat format")
+    run.add_argument("--thinking", action="store_true", help="with --chat: the assistant turn starts in thinking mode")
+    run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
+    run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
+    run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")
+    run.add_argument("--zero-experts", metavar="LAYER:EXPERT,...", help="experts still chosen that contribute nothing")
+    run.add_argument("--ablate-heads", metavar="LAYER:HEAD,...", help="attention heads whose output is zero before wo")
+    run.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
+    run.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
+    run.add_argument("--index-topk", type=int, help="a different index_topk for the sparse attention")
+    run.add_argument(
+        "--attribute",
+        action="store_true",
+        help="direct logit attribution: the target logit split over the embedding, heads, experts and MLPs",
+    )
+    run.add_argument("--position", type=int, help="with --attribute: the position (default: the last)")
+    run.add_argument("--target", metavar="TOKEN|ID", help="with --attribute: the token (default: the top prediction there)")
+    run.add_argument("--contrast", metavar="TOKEN|ID", help="with --attribute: attribute target minus this token's logit")
+    run.set_defaults(func=cmd_run)
+
+    dif = sub.add_parser("diff", help="compare two traces of one prompt: stream drift, changed experts and keys, predictions")
+    dif.add_argument("a", help="first trace (the baseline)")
+    dif.add_argument("b", help="second trace")
+    dif.add_argument("--csv", help=f"write the comparison tables as CSV into this directory{_REUSED}")
+    dif.set_defaults(func=cmd_diff)
+
+    exp = sub.add_parser("export", help="write a trace's tables as CSV (and Parquet)")
+    exp.add_argument("trace", help="trace file")
+    exp.add_argument("--csv", required=True, help=f"output directory{_REUSED}")
+    exp.add_argument("--parquet", action="store_true", help="Parquet files too")
+    exp.set_defaults(func=cmd_export)
+
+    info = sub.add_parser("info", help="parameter counts (and expected tensors) as JSON, from the architecture alone")
+    isrc = info.add_mutually_exclusive_group(required=True)
+    isrc.add_argument("--checkpoint", help="checkpoint directory, or 'demo'")
+    isrc.add_argument("--config", help="config.json (Hugging Face) or the reference's JSON")
+    info.add_argument("--tensors", action="store_true", help="add every expected tensor name with [shape, dtype]")
+    info.set_defaults(func=cmd_info)
+
+    ev = sub.add_parser("eval", help="next-token NLL, perplexity, top-1 accuracy and bits per byte on a text file")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint directory, or 'demo'")
+    ev.add_argument("--text-file", required=True, help="UTF-8 text to score")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--dtype", default="bfloat16")
+    ev.set_defaults(func=cmd_eval)
+
+    atlas_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with kernels.serial_passes():  # a CPU forward's passes on one thread, large products on all
+            return args.func(args)
+    except BAD_INPUT as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader went away (| head): not an error of ours
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        _leave_process_group()

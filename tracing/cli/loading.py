@@ -1,0 +1,157 @@
+"""Opening a model for tracing: a checkpoint directory (or the bundled demo), or synthetic weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.checkpoint import SafetensorsSource, WeightSource, build_model, load_model
+from model.config import ConfigError
+from model.synthetic import synthetic_source
+from model.transformer import Transformer
+
+from ..errors import InputError
+from ..tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "assets" / "demo"
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_checkpoint(value: str | Path) -> Path:
+    """``demo`` names the bundled checkpoint; anything else is a directory."""
+    return DEMO if str(value) == "demo" else Path(value).expanduser()
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InputError(f"--dtype {name!r}: choose bfloat16 or float32") from None
+
+
+def add_device_options(parser) -> None:
+    """--device, --dtype and --stream, as every command that runs a model takes them."""
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
+    parser.add_argument(
+        "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
+    )
+
+
+def add_source_options(parser, synthetic_help: str) -> None:
+    """--checkpoint DIR | --synthetic CONFIG [--n-layers N]: the model a command runs."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
+    src.add_argument("--synthetic", metavar="CONFIG", help=synthetic_help)
+    parser.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+
+
+def open_from_args(args, device, dtype, progress=None, split: bool = True) -> Loaded:
+    """The model that :func:`add_source_options` and :func:`add_device_options` named."""
+    stream = True if args.stream else None  # None: stream when the model does not fit in memory
+    if args.synthetic:
+        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split)
+    if args.n_layers is not None:
+        raise InputError("--n-layers applies to --synthetic only")
+    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split)
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"--device {name!r} is not a device (cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available here")
+    return device
+
+
+@dataclass
+class Loaded:
+    """A model ready to trace, its tokenizer (None for synthetic weights) and where it came from.
+
+    With ``stream`` the model stays on the meta device and ``context()`` streams its weights
+    from ``source`` while it runs; with ``plan`` it is this rank's part of a model split over
+    ranks (torchrun)."""
+
+    model: Transformer
+    tokenizer: Tokenizer | None
+    source: WeightSource
+    label: str
+    device: torch.device
+    stream: bool = False
+    plan: object = None
+    progress: object = None
+
+    def context(self):
+        if not self.stream:
+            return None
+        from model.stream import Streamer
+
+        return Streamer(self.model, self.source, self.device, plan=self.plan, progress=self.progress)
+
+
+def open_source(
+    source: WeightSource,
+    label: str,
+    tokenizer: Tokenizer | None,
+    device,
+    dtype,
+    stream: bool | None = None,
+    progress=None,
+    split: bool = True,
+) -> Loaded:
+    """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
+    over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel;
+    without it every rank holds the whole model, for data parallel work)."""
+    from model import parallel
+    from model.stream import should_stream
+
+    device = torch.device(device)
+    dist = parallel.init_distributed(device)
+    if dist is not None:
+        device = dist.device
+    if stream is None:
+        stream = should_stream(source, device)
+    if stream:
+        model = build_model(source.args, dtype)
+        plan = parallel.parallelize(model) if dist is not None and split else None
+        return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
+    if dist is not None and split:
+        model, plan = parallel.load_parallel(source, device, dtype)
+        return Loaded(model, tokenizer, source, label, device, False, plan)
+    return Loaded(load_model(source, device, dtype), tokenizer, source, label, device)
+
+
+def open_checkpoint(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    stream: bool | None = False,
+    progress=None,
+    split: bool = True,
+) -> Loaded:
+    directory = resolve_checkpoint(path)
+    source = SafetensorsSource(directory)
+    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
+    label = "demo" if directory == DEMO else str(directory)
+    return open_source(source, label, tokenizer, device, dtype, stream, progress, split)
+
+
+def open_synthetic(
+    config: str | Path,
+    n_layers: int | None = None,
+    device="cpu",
+    dtype=torch.bfloat16,
+    stream: bool | None = False,
+    progress=None,
+    split: bool = True,
+) -> Loaded:
+    try:
+        source = synthetic_source(config, n_layers)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split)
