@@ -8,6 +8,8 @@ point always consumes the point's output.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -29,3 +31,46 @@ class HookPoint(nn.Module):
 
     def extra_repr(self) -> str:
         return self.shape
+
+
+class Hooks:
+    """Forward hooks on a model's modules, registered together and removed together (also after an
+    exception: use it as a context manager), each firing only in the thread that made this set.
+    One model serves several threads (the app's sessions): each thread's hooks see its own forward
+    only. Everything that hooks a model (the tracer, its analyses, the atlas's counts, the
+    streamer) registers through one of these."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self._handles: list = []
+
+    def mine(self) -> bool:
+        """Whether the calling thread made these hooks."""
+        return threading.get_ident() == self.thread
+
+    def after(self, module: nn.Module, fn, *, prepend: bool = False) -> None:
+        """``fn(module, inputs, output)`` after ``module`` runs; what it returns (not None) replaces the output."""
+
+        def hook(m, inputs, output):
+            return fn(m, inputs, output) if self.mine() else None
+
+        self._handles.append(module.register_forward_hook(hook, prepend=prepend))
+
+    def before(self, module: nn.Module, fn, *, prepend: bool = False, with_kwargs: bool = False) -> None:
+        """``fn(module, args)`` (with ``with_kwargs``: ``fn(module, args, kwargs)``) before ``module`` runs."""
+
+        def hook(m, *args):
+            return fn(m, *args) if self.mine() else None
+
+        self._handles.append(module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> Hooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

@@ -43,6 +43,7 @@ from torch import nn
 
 from .checkpoint import TensorReader, WeightSource, validate
 from .fp8 import FP8
+from .hooks import Hooks
 from .kernels import use_once
 from .moe import MoE
 from .names import STORED_BF16, from_hf, to_hf
@@ -192,7 +193,7 @@ class Streamer:
         self.synchronize = synchronize and self.device.type == "cuda"
         self.parts: dict[str, Part] = dict(plan.parts) if plan is not None else {}
         self.stats = StreamStats()
-        self._handles: list[Any] = []
+        self._hooks: Hooks | None = None
         self._chain: list[_Unit] = []
         self._experts: dict[tuple[int, int], _Unit] = {}
         self._block_experts: dict[int, list[_Unit]] = {}
@@ -227,17 +228,18 @@ class Streamer:
                         eu.block = i
                         self._block_experts.setdefault(i, []).append(eu)
         self._chain += [self._unit("norm", model.norm), self._unit("head", model.head)]
+        hooks = self._hooks = Hooks()  # the weights come in for this thread's forward
         for k, unit in enumerate(self._chain):
             module = model.get_submodule(unit.name)
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(k), prepend=True))
-            self._handles.append(module.register_forward_hook(self._post_hook(k)))
+            hooks.before(module, self._pre_hook(k), prepend=True)
+            hooks.after(module, self._post_hook(k))
         for i, j in self._experts:
             expert = model.layers[i].ffn.experts[j]
-            self._handles.append(expert.register_forward_pre_hook(self._expert_pre_hook(i, j), prepend=True))
-            self._handles.append(expert.register_forward_hook(self._expert_post_hook(i, j)))
+            hooks.before(expert, self._expert_pre_hook(i, j), prepend=True)
+            hooks.after(expert, self._expert_post_hook(i, j))
         for i, block in enumerate(model.layers):
             if isinstance(block.ffn, MoE):
-                self._handles.append(block.ffn.gate.register_forward_hook(self._gate_hook(i)))
+                hooks.after(block.ffn.gate, self._gate_hook(i))
         if self.prefetch:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-loader")
         self._t0 = time.perf_counter()
@@ -245,9 +247,9 @@ class Streamer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         for fut in self._pending.values():
             fut.cancel()
         if self._pool is not None:

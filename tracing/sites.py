@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -16,6 +17,7 @@ import torch
 from model.config import ModelArgs
 from model.hooks import HookPoint
 
+from .analyses.recall import head_recall
 from .errors import InputError
 
 
@@ -31,16 +33,58 @@ class SiteSpec:
     blocks: str = "all"  # "all" blocks, "moe" blocks only, or "model" (not per block)
     default: bool = False  # recorded unless --record says otherwise
     derived_from: str | None = None  # computed while tracing from this hook point's value (same block)
+    # how a derived site is computed: "derive" (its row's ``derive`` from derived_from's value, at that
+    # hook point), "lens" (the final norm and head at each block's stream, when they run), "next" (every
+    # position's next-token distribution, at the head), "attribution" (tracing.analyses.attribution,
+    # for one position and target) or "flow" (tracing.analyses.flow, the contribution graph): the
+    # analyses are computed by their module's hooks and named (or --attribute, 'flow'), never by 'all'
+    computed: str = ""
+    # "derive": f(value, read) -> the recorded value (batch dropped); value is derived_from's (batch
+    # first), read(suffix) a value of the same block and pass that the row's ``reads`` keep
+    derive: Callable[[torch.Tensor, Callable[[str], torch.Tensor]], torch.Tensor] | None = None
     reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
     rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
     patchable: bool = True  # a hook point whose value a patch or an intervention may replace
-    # "attribution" (tracing.analyses.attribution, for one position and target) or "flow" (tracing.analyses.flow, the
-    # contribution graph): computed by that module's hooks; named (or --attribute, 'flow'), never by 'all'
-    analysis: str = ""
+    # an integer site's values: "keys" (key positions, -1 for none), "experts", "groups", "tokens",
+    # "tokens or none" (-1 for none): what a trace file's values are checked against
+    values: str = ""
+    # what the key columns (S) or slots (K) a pass did not have hold when passes are merged (a decode
+    # step sees fewer keys than the run): -inf for scores, -1 for selections, 0 for shares and probabilities
+    fill: float = 0.0
 
     @property
     def suffix(self) -> str:
         return self.pattern.removeprefix("layers.{i}.")
+
+    @property
+    def analysis(self) -> str:
+        """The analysis that computes the site ("attribution", "flow"), or ""."""
+        return self.computed if self.computed in ANALYSES else ""
+
+    def index_range(self, args: ModelArgs, n_tokens: int) -> tuple[int, int] | None:
+        """The values an integer site may hold, ``low <= v < high``, or None for a float site."""
+        if not self.values:
+            return None
+        high = {
+            "keys": n_tokens,
+            "experts": args.n_routed_experts,
+            "groups": args.n_expert_groups,
+            "tokens": args.vocab_size,
+            "tokens or none": args.vocab_size,
+        }[self.values]
+        return (-1 if self.values in ("keys", "tokens or none") else 0), high
+
+
+ANALYSES = ("attribution", "flow")
+
+
+def _probs_mean(probs: torch.Tensor, read) -> torch.Tensor:
+    return probs[0].float().mean(dim=1).cpu()  # (T, H, S) -> (T, S)
+
+
+def _recall(scores: torch.Tensor, read) -> torch.Tensor:
+    """The dense attention mass on the indexer's selection, mean over heads."""
+    return head_recall(scores, read("attn.indexer.topk_indices"))[0].mean(-1).cpu()  # (T,)
 
 
 F32, I64 = torch.float32, torch.int64
@@ -55,7 +99,14 @@ REGISTRY: tuple[SiteSpec, ...] = (
         default=True,
     ),
     SiteSpec("layers.{i}.attn.indexer.head_weights", "B T H", F32, "the indexer's per-head weights `w[t,h]`"),
-    SiteSpec("layers.{i}.attn.indexer.scores", "B T S", F32, "index scores `I[t,s]`, -inf where masked", default=True),
+    SiteSpec(
+        "layers.{i}.attn.indexer.scores",
+        "B T S",
+        F32,
+        "index scores `I[t,s]`, -inf where masked",
+        default=True,
+        fill=float("-inf"),
+    ),
     SiteSpec(
         "layers.{i}.attn.indexer.topk_indices",
         "B T K",
@@ -66,6 +117,8 @@ REGISTRY: tuple[SiteSpec, ...] = (
         ),
         default=True,
         reads=("attn.indexer.scores",),
+        values="keys",
+        fill=-1,
     ),
     SiteSpec(
         "layers.{i}.attn.indexer.recall",
@@ -74,11 +127,18 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "share of the dense attention mass (mean over heads) on the selected keys",
         default=True,
         derived_from="attn.scores",
+        computed="derive",
+        derive=_recall,
         reads=("attn.indexer.topk_indices",),
         patchable=False,
     ),
     SiteSpec(
-        "layers.{i}.attn.scores", "B T H S", F32, "scaled attention logits before any mask (large: `all` only)", rank_local=True
+        "layers.{i}.attn.scores",
+        "B T H S",
+        F32,
+        "scaled attention logits before any mask (large: `all` only)",
+        rank_local=True,
+        fill=float("-inf"),
     ),
     SiteSpec(
         "layers.{i}.attn.probs",
@@ -94,6 +154,8 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "the attention probabilities, mean over heads",
         default=True,
         derived_from="attn.probs",
+        computed="derive",
+        derive=_probs_mean,
         patchable=False,
     ),
     SiteSpec("layers.{i}.attn_out", "B T D", F32, "the attention update"),
@@ -124,8 +186,12 @@ REGISTRY: tuple[SiteSpec, ...] = (
         default=True,
         reads=("ffn.gate.biased_scores",),
     ),
-    SiteSpec("layers.{i}.ffn.gate.groups", "N topk_groups", I64, "the chosen groups", blocks="moe", default=True),
-    SiteSpec("layers.{i}.ffn.gate.topk_indices", "N k", I64, "chosen experts, best first", blocks="moe", default=True),
+    SiteSpec(
+        "layers.{i}.ffn.gate.groups", "N topk_groups", I64, "the chosen groups", blocks="moe", default=True, values="groups"
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.gate.topk_indices", "N k", I64, "chosen experts, best first", blocks="moe", default=True, values="experts"
+    ),
     SiteSpec(
         "layers.{i}.ffn.gate.topk_weights",
         "N k",
@@ -152,9 +218,19 @@ REGISTRY: tuple[SiteSpec, ...] = (
         I64,
         ("final norm and head applied to `resid_post`: top tokens (on request: `layers.*.logit_lens.*`)"),
         derived_from="resid_post",
+        computed="lens",
+        patchable=False,
+        values="tokens",
+    ),
+    SiteSpec(
+        "layers.{i}.logit_lens.topk_probs",
+        "T L",
+        F32,
+        "their probabilities",
+        derived_from="resid_post",
+        computed="lens",
         patchable=False,
     ),
-    SiteSpec("layers.{i}.logit_lens.topk_probs", "T L", F32, "their probabilities", derived_from="resid_post", patchable=False),
     SiteSpec(
         "layers.{i}.attn.attribution",
         "H",
@@ -162,7 +238,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "direct logit attribution (`--attribute`): each head's part of the target logit, through its columns of `wo`",
         derived_from="attn_out",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "layers.{i}.ffn.attribution",
@@ -174,7 +250,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         ),
         derived_from="ffn_out",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "layers.{i}.attn.attribution_src",
@@ -186,7 +262,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         ),
         derived_from="attn.probs",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "layers.{i}.attn.attribution_src_rest",
@@ -195,7 +271,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "each head's part less the sum of its sources: what rounding the head's output (bfloat16, then FP8 for `wo`) leaves",
         derived_from="attn.probs",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "layers.{i}.ffn.expert_lens.ids",
@@ -208,7 +284,8 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="moe",
         derived_from="ffn.expert_out",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
+        values="tokens or none",
     ),
     SiteSpec(
         "layers.{i}.ffn.expert_lens.logits",
@@ -218,7 +295,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="moe",
         derived_from="ffn.expert_out",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "layers.{i}.attn.flow",
@@ -230,7 +307,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         ),
         derived_from="attn.probs",
         patchable=False,
-        analysis="flow",
+        computed="flow",
     ),
     SiteSpec(
         "layers.{i}.attn.flow_resid",
@@ -239,7 +316,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "contribution graph: the share position t's own stream (`resid_pre`) keeps through the attention",
         derived_from="resid_mid",
         patchable=False,
-        analysis="flow",
+        computed="flow",
     ),
     SiteSpec(
         "layers.{i}.ffn.flow",
@@ -251,7 +328,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         ),
         derived_from="resid_post",
         patchable=False,
-        analysis="flow",
+        computed="flow",
     ),
     SiteSpec(
         "layers.{i}.ffn.flow_resid",
@@ -260,7 +337,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "contribution graph: the share position t's stream before the FFN (`resid_mid`) keeps",
         derived_from="resid_post",
         patchable=False,
-        analysis="flow",
+        computed="flow",
     ),
     SiteSpec("logits.last", "B V", F32, "logits at the last position", blocks="model", default=True),
     SiteSpec("logits.all", "B T V", F32, "every position's logits (large: on request)", blocks="model"),
@@ -272,7 +349,9 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         default=True,
         derived_from="logits.last",
+        computed="next",
         patchable=False,
+        values="tokens",
     ),
     SiteSpec(
         "next.topk_probs",
@@ -282,6 +361,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         default=True,
         derived_from="logits.last",
+        computed="next",
         patchable=False,
     ),
     SiteSpec(
@@ -292,6 +372,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         default=True,
         derived_from="logits.last",
+        computed="next",
         patchable=False,
     ),
     SiteSpec(
@@ -302,6 +383,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         default=True,
         derived_from="logits.last",
+        computed="next",
         patchable=False,
     ),
     SiteSpec(
@@ -312,7 +394,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         derived_from="logits.last",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "attribution.rest",
@@ -322,7 +404,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         derived_from="logits.last",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
     SiteSpec(
         "attribution.total",
@@ -332,7 +414,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         blocks="model",
         derived_from="logits.last",
         patchable=False,
-        analysis="attribution",
+        computed="attribution",
     ),
 )
 # the logit lens costs a head product per block (more than the forward of a small model): on request
@@ -360,8 +442,17 @@ def next_topk(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def site_name(block: int, suffix: str) -> str:
-    """The name of block ``block``'s site ``suffix`` (a registry row's suffix)."""
+    """The name of block ``block``'s site ``suffix`` (a registry row's suffix): the one place a
+    block's site name is made, so a suffix that is no row's fails here, not as a silent miss."""
+    if suffix not in _BY_SUFFIX:
+        raise KeyError(f"{suffix!r} is no trace site of a block (tracing.sites.REGISTRY)")
     return f"layers.{block}.{suffix}"
+
+
+def part_name(block: int, path: str) -> str:
+    """The module path of a part of block ``block`` (``layers.3.ffn.experts.7``): names an
+    attribution part, not a trace site."""
+    return f"layers.{block}.{path}"
 
 
 def spec(name: str) -> SiteSpec | None:
@@ -467,11 +558,6 @@ def analysis(name: str) -> str:
     return "" if row is None else row.analysis
 
 
-def is_attribution(name: str) -> bool:
-    """Whether a site is one of the direct logit attribution's (computed by tracing.analyses.attribution)."""
-    return analysis(name) == "attribution"
-
-
 def site_shape(args: ModelArgs, name: str, legend: str, n_tokens: int) -> tuple[int, ...]:
     """The recorded shape (batch dropped) of a site."""
     sizes = dims(args, name, n_tokens)
@@ -479,19 +565,10 @@ def site_shape(args: ModelArgs, name: str, legend: str, n_tokens: int) -> tuple[
 
 
 def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | None:
-    """The values an integer site may hold, ``low <= v < high``, or None for a float site: key
-    positions (-1 where fewer keys are visible than are selected), experts, groups, token ids."""
-    if name.endswith("attn.indexer.topk_indices"):
-        return -1, n_tokens
-    if name.endswith("ffn.gate.topk_indices"):
-        return 0, args.n_routed_experts
-    if name.endswith("ffn.gate.groups"):
-        return 0, args.n_expert_groups
-    if name.endswith(("logit_lens.topk_indices", "next.topk_indices")):
-        return 0, args.vocab_size
-    if name.endswith("expert_lens.ids"):
-        return -1, args.vocab_size
-    return None
+    """The values an integer site may hold, ``low <= v < high`` (its row's ``values``), or None for
+    a float site."""
+    row = spec(name)
+    return None if row is None else row.index_range(args, n_tokens)
 
 
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:

@@ -11,18 +11,17 @@ rewrite it, and what results is what the model uses downstream and what the trac
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from model.config import ModelArgs
+from model.hooks import Hooks
 
 from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
 from .analyses.interventions import Intervention, Replace
-from .analyses.recall import head_recall
 from .errors import InputError
 from .sites import (
     LOGIT_LENS_TOPK,
@@ -89,14 +88,13 @@ class Tracer:
         self.token_ids: list[int] = []
         self._pending: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (next.token_prob, row, log-probs)
         self._seen: dict[str, torch.Tensor] = {}  # this pass's values that later hooks read
-        self._handles: list = []
-        self._thread: int | None = None
+        self._hooks: Hooks | None = None
 
     # context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        if self._thread is not None:
+        if self._hooks is not None:
             raise RuntimeError("a Tracer can be entered once at a time")
-        self._thread = threading.get_ident()
+        self._hooks = Hooks()
         self.values.clear()
         self._seen.clear()
         try:
@@ -127,7 +125,7 @@ class Tracer:
         steps = [*self._steps, self.values]
         out = self.values if len(steps) == 1 else self._concatenated(steps, n_positions)
         for name, value in self._attributed.items():  # the sources read the keys of their pass: padded to all
-            out[name] = _pad(value, 1, n_positions, 0.0) if name.endswith("attribution_src") else value
+            out[name] = _pad(value, 1, n_positions, spec(name).fill) if spec(name).suffix == "attn.attribution_src" else value
         return out
 
     def _concatenated(self, steps: list[dict[str, torch.Tensor]], n_positions: int) -> dict[str, torch.Tensor]:
@@ -139,7 +137,8 @@ class Tracer:
             if axes[0] not in ("T", "N"):  # logits.last: the last position's
                 out[name] = parts[-1]
                 continue
-            for axis, fill in (("S", float("-inf") if name.endswith("scores") else 0.0), ("K", -1)):
+            fill = spec(name).fill  # what the keys or slots a pass did not have hold
+            for axis in ("S", "K"):
                 if axis in axes:
                     dim = axes.index(axis)
                     width = n_positions if axis == "S" else max(p.shape[dim] for p in parts)
@@ -148,17 +147,14 @@ class Tracer:
         return out
 
     def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._hooks = None
         self._seen.clear()
-        self._thread = None
 
     # hooks ---------------------------------------------------------------------------------
-    def _mine(self) -> bool:
-        return threading.get_ident() == self._thread
-
     def _register(self) -> None:
+        hooks = self._hooks
         points = hook_points(self.model)
         for name, value in self.patches.items():
             if name not in points:
@@ -180,49 +176,37 @@ class Tracer:
                 continue
             layer = where[0]
             keep.update(site_name(layer, read) for read in row.reads)  # read later in this pass
-            if name in replacers or row.derived_from is None or row.analysis:
+            if name in replacers:
                 continue
-            if row.suffix.startswith("logit_lens."):
+            if row.computed == "lens":
                 lens.add(layer)
-            else:
+            elif row.computed == "derive":
                 derived.setdefault(site_name(layer, row.derived_from), []).append(name)
         self._lens = sorted(lens)
         keep.update(site_name(i, "resid_post") for i in self._lens)
         wanted = set(self.sites)
         for name, point in points.items():
             if name in wanted or name in self.patches or name in replacers or name in derived or name in keep:
-                self._handles.append(
-                    point.register_forward_hook(
-                        self._hook(
-                            name,
-                            name in wanted,
-                            self.patches.get(name),
-                            replacers.get(name, []),
-                            derived.get(name, []),
-                            name in keep,
-                        )
-                    )
+                fn = self._hook(
+                    name, name in wanted, self.patches.get(name), replacers.get(name, []), derived.get(name, []), name in keep
                 )
+                hooks.after(point, fn)
         if self.on_block is not None:
             for i, block in enumerate(self.model.layers):
-                self._handles.append(block.register_forward_pre_hook(self._progress(i)))
+                hooks.before(block, lambda module, args, i=i: self.on_block(i))
         self._next = [n for n in self.sites if n.startswith("next.")]
         if self._lens or self._next:
-            self._handles.append(self.model.norm.register_forward_hook(self._lens_norm))
-            self._handles.append(self.model.head.register_forward_hook(self._lens_head))
+            hooks.after(self.model.norm, self._lens_norm)
+            hooks.after(self.model.head, self._lens_head)
         # the analyses' hooks come after the interventions': they read the values the model uses
-        sources = any(name.endswith("attn.attribution_src") for name in self.sites)
-        reads = HeadReads(self.model, self._mine) if sources or self._flow else None
-        if reads is not None:
-            self._handles.extend(reads.register())
+        sources = any(spec(name).suffix == "attn.attribution_src" for name in self.sites)
+        reads = HeadReads(self.model, hooks) if sources or self._flow else None
         if self._attribution is not None:
             lens = any(".expert_lens." in name for name in self.sites)
             reads_for = reads if sources else None
-            attributor = Attributor(self.model, self._attribution, self._mine, self._record_attribution, reads_for, lens)
-            self._handles.extend(attributor.register())
-            self._attributor = attributor
+            self._attributor = Attributor(self.model, self._attribution, hooks, self._record_attribution, reads_for, lens)
         if self._flow:
-            self._handles.extend(Flow(self.model, reads, self._mine, self._record).register())
+            Flow(self.model, reads, hooks, self._record)
 
     def _record(self, values: dict[str, torch.Tensor]) -> None:
         self.values.update((name, value) for name, value in values.items() if name in self.sites)
@@ -232,15 +216,12 @@ class Tracer:
         self.attribution_info = self._attributor.info
 
     def _lens_norm(self, module, inputs, output):
-        if self._mine():  # the module's forward, not its __call__: no hooks run again
-            self._seen["final_norm"] = output  # (B, T, D): what the head reads, at every position
-            for i in self._lens:
-                stream = self._seen.pop(site_name(i, "resid_post"))
-                self._seen[f"lens.{i}"] = type(module).forward(module, stream, output.dtype)
+        self._seen["final_norm"] = output  # (B, T, D): what the head reads, at every position
+        for i in self._lens:  # the module's forward, not its __call__: no hooks run again
+            stream = self._seen.pop(site_name(i, "resid_post"))
+            self._seen[f"lens.{i}"] = type(module).forward(module, stream, output.dtype)
 
     def _lens_head(self, module, inputs, output):
-        if not self._mine():
-            return
         normed = self._seen.pop("final_norm")
         if self._next:
             self._next_token(module, normed, output)
@@ -285,8 +266,6 @@ class Tracer:
 
     def _hook(self, name: str, record: bool, patch, replacers: list[Replace], derived: list[str], keep: bool):
         def hook(module, inputs, output):
-            if not self._mine():
-                return None
             value = output
             if patch is not None:
                 value = _as_batched(patch, value, name)
@@ -310,20 +289,9 @@ class Tracer:
 
         return hook
 
-    def _progress(self, index: int):
-        def hook(module, inputs):
-            if self._mine():
-                self.on_block(index)
-
-        return hook
-
     def _derive(self, target: str, value: torch.Tensor) -> torch.Tensor:
-        layer = int(target.split(".")[1])
-        if target.endswith("attn.probs_mean"):
-            return value[0].float().mean(dim=1).cpu()  # (T, H, S) -> (T, S)
-        # recall: the dense attention mass on the indexer's selection, mean over heads
-        selected = self._seen[site_name(layer, "attn.indexer.topk_indices")]  # (B, T, K)
-        return head_recall(value, selected)[0].mean(-1).cpu()  # (T,)
+        layer = layer_site(target)[0]
+        return spec(target).derive(value, lambda suffix: self._seen[site_name(layer, suffix)])
 
 
 def refuse_parallel(analyses: set[str]) -> None:

@@ -35,10 +35,11 @@ from functools import partial
 import torch
 
 from model import kernels
+from model.hooks import Hooks
 from model.moe import MoE
 
 from ..errors import InputError
-from ..sites import LOGIT_LENS_TOPK, next_topk
+from ..sites import LOGIT_LENS_TOPK, next_topk, site_name
 from .heads import HeadReads, wo_columns
 
 Record = Callable[[dict[str, torch.Tensor]], None]
@@ -77,14 +78,13 @@ class Attributor:
         self,
         model: torch.nn.Module,
         request: AttributionRequest,
-        mine: Callable[[], bool],
+        hooks: Hooks,
         record: Record,
         reads: HeadReads | None = None,
         lens: bool = False,
     ):
         self.model = model
         self.request = request
-        self._mine = mine
         self._record = record
         self._reads = reads
         self._lens = lens
@@ -93,26 +93,26 @@ class Attributor:
         self._row: int | None = None  # the attributed position's row in this pass; None: not in this pass
         self._last = 0  # this pass's last row
         self._rows: dict[str, torch.Tensor] = {}
+        points = [(model.norm, self._norm), (model.head, self._head)]
+        for i, block in enumerate(model.layers):
+            points.append((block.attn.wo, partial(self._wo, i)))
+            if isinstance(block.ffn, MoE):
+                for name in ("gate.topk_indices", "expert_out", "shared_out"):
+                    points.append((block.ffn.get_submodule(name), partial(self._keep, f"{i}.{name}")))
+            else:
+                points.append((block.ffn_out, partial(self._keep, f"{i}.mlp")))
+        hooks.after(model.embed, self._embed)
+        for module, fn in points:
+            hooks.after(module, self._at_position(fn))
 
     def begin_pass(self, start_pos: int) -> None:
         self._start = start_pos
 
-    def register(self) -> list:
-        model = self.model
-        hooks = [(model.norm, self._norm), (model.head, self._head)]
-        for i, block in enumerate(model.layers):
-            hooks.append((block.attn.wo, partial(self._wo, i)))
-            if isinstance(block.ffn, MoE):
-                for name in ("gate.topk_indices", "expert_out", "shared_out"):
-                    hooks.append((block.ffn.get_submodule(name), partial(self._keep, f"{i}.{name}")))
-            else:
-                hooks.append((block.ffn_out, partial(self._keep, f"{i}.mlp")))
-        handles = [model.embed.register_forward_hook(self._guarded(self._embed, always=True))]
-        return handles + [module.register_forward_hook(self._guarded(fn)) for module, fn in hooks]
+    def _at_position(self, fn):
+        """``fn`` in the pass that holds the attributed position only."""
 
-    def _guarded(self, fn, always: bool = False):
         def hook(module, inputs, output):
-            if self._mine() and (always or self._row is not None):
+            if self._row is not None:
                 fn(module, inputs, output)
 
         return hook
@@ -170,11 +170,11 @@ class Attributor:
         values = {"attribution.embed": (rows["embed"] @ u).reshape(1)}
         for i, block in enumerate(self.model.layers):
             heads = rows[f"{i}.heads"] @ u  # (H,)
-            values[f"layers.{i}.attn.attribution"] = heads
+            values[site_name(i, "attn.attribution")] = heads
             if f"{i}.sources" in rows:
                 sources = _sources(rows.pop(f"{i}.sources"), u)  # (H, S)
-                values[f"layers.{i}.attn.attribution_src"] = sources
-                values[f"layers.{i}.attn.attribution_src_rest"] = (heads.double() - sources.double().sum(-1)).float()
+                values[site_name(i, "attn.attribution_src")] = sources
+                values[site_name(i, "attn.attribution_src_rest")] = (heads.double() - sources.double().sum(-1)).float()
             if isinstance(block.ffn, MoE):
                 parts = u.new_zeros(block.ffn.n_routed_experts + 1)  # (E + 1,): routed experts, then the shared
                 slots = rows[f"{i}.gate.topk_indices"].sort().values  # expert_out's slots hold them ascending
@@ -182,11 +182,11 @@ class Attributor:
                 parts[-1] = rows[f"{i}.shared_out"] @ u
                 if self._lens:
                     ids, changes = lens_tokens(weight, rows[f"{i}.expert_out"] * rows["scale"])  # (k, 2, L)
-                    values[f"layers.{i}.ffn.expert_lens.ids"] = _by_expert(ids, slots, block.ffn.n_routed_experts, -1)
-                    values[f"layers.{i}.ffn.expert_lens.logits"] = _by_expert(changes, slots, block.ffn.n_routed_experts, 0)
+                    values[site_name(i, "ffn.expert_lens.ids")] = _by_expert(ids, slots, block.ffn.n_routed_experts, -1)
+                    values[site_name(i, "ffn.expert_lens.logits")] = _by_expert(changes, slots, block.ffn.n_routed_experts, 0)
             else:
                 parts = (rows[f"{i}.mlp"] @ u).reshape(1)
-            values[f"layers.{i}.ffn.attribution"] = parts
+            values[site_name(i, "ffn.attribution")] = parts
         summed = sum(float(v.double().sum()) for name, v in values.items() if _is_part(name))
         values["attribution.total"] = total.reshape(1)
         values["attribution.rest"] = (total.double() - summed).float().reshape(1)
@@ -262,10 +262,10 @@ def expert_lens(
         "ffn.expert_out": trace.site(block, "ffn.expert_out"),
         "ffn.gate.topk_indices": trace.site(block, "ffn.gate.topk_indices"),
     }
-    missing = [f"layers.{block}.{name}" for name, value in needed.items() if value is None]
+    missing = [site_name(block, name) for name, value in needed.items() if value is None]
     stream = trace.site(last, "resid_post")
     if stream is None:
-        missing.append(f"layers.{last}.resid_post")
+        missing.append(site_name(last, "resid_post"))
     if missing:
         raise InputError(f"the per-expert logit lens needs {', '.join(missing)} in the trace")
     if not 0 <= position < trace.n_tokens:

@@ -35,9 +35,11 @@ from functools import partial
 import torch
 
 from model import kernels
+from model.hooks import Hooks
 from model.indexer import selected_keys
 from model.moe import MoE
 
+from ..sites import site_name
 from .heads import HeadReads, wo_columns
 
 BUDGET = 4 * 2**20  # bytes of the keys' vectors A[t, s] formed at once: cache-sized (more is slower)
@@ -98,30 +100,26 @@ class Flow:
     """Forward hooks that compute the contribution graph block by block, while the block's weights
     are present (also when streamed); ``record`` receives each block's sites by name."""
 
-    def __init__(self, model: torch.nn.Module, reads: HeadReads, mine: Callable[[], bool], record: Callable[[dict], None]):
+    def __init__(self, model: torch.nn.Module, reads: HeadReads, hooks: Hooks, record: Callable[[dict], None]):
         self.model = model
         self._reads = reads
-        self._mine = mine
         self._record = record
         self._kept: dict[str, torch.Tensor] = {}
-
-    def register(self) -> list:
-        hooks = []
-        for i, block in enumerate(self.model.layers):
-            hooks += [(block.resid_pre, "resid_pre"), (block.attn.indexer.topk_indices, "topk")]
-            hooks.append((block.resid_mid, partial(self._attention, i)))
+        points = []
+        for i, block in enumerate(model.layers):
+            points += [(block.resid_pre, "resid_pre"), (block.attn.indexer.topk_indices, "topk")]
+            points.append((block.resid_mid, partial(self._attention, i)))
             if isinstance(block.ffn, MoE):
-                hooks += [(block.ffn.gate.topk_indices, "experts"), (block.ffn.expert_out, "routed")]
-                hooks.append((block.ffn.shared_out, "shared"))
+                points += [(block.ffn.gate.topk_indices, "experts"), (block.ffn.expert_out, "routed")]
+                points.append((block.ffn.shared_out, "shared"))
             else:
-                hooks.append((block.ffn_out, "mlp"))
-            hooks.append((block.resid_post, partial(self._ffn, i)))
-        return [module.register_forward_hook(self._hook(what)) for module, what in hooks]
+                points.append((block.ffn_out, "mlp"))
+            points.append((block.resid_post, partial(self._ffn, i)))
+        for module, what in points:
+            hooks.after(module, self._hook(what))
 
     def _hook(self, what):
         def hook(module, inputs, output):
-            if not self._mine():
-                return
             value = output[0] if module.shape.startswith("B") else output  # (T, ...) or (N, ...)
             if callable(what):
                 what(value.float())
@@ -136,7 +134,7 @@ class Flow:
         selected = selected_keys(self._kept.pop("topk"), reads.probs.shape[-1])
         shares, kept = attention_flow(reads.probs, reads.values(), columns, self._kept.pop("resid_pre"), after, selected)
         self._kept["resid_mid"] = after
-        self._record({f"layers.{layer}.attn.flow": shares.cpu(), f"layers.{layer}.attn.flow_resid": kept.cpu()})
+        self._record({site_name(layer, "attn.flow"): shares.cpu(), site_name(layer, "attn.flow_resid"): kept.cpu()})
 
     def _ffn(self, layer: int, after: torch.Tensor) -> None:
         ffn, kept = self.model.layers[layer].ffn, self._kept
@@ -151,4 +149,4 @@ class Flow:
         else:
             shares, resid = ffn_flow(kept.pop("mlp")[:, None], kept["resid_mid"], after)  # (T, 1)
         kept.pop("resid_mid")
-        self._record({f"layers.{layer}.ffn.flow": shares.cpu(), f"layers.{layer}.ffn.flow_resid": resid.cpu()})
+        self._record({site_name(layer, "ffn.flow"): shares.cpu(), site_name(layer, "ffn.flow_resid"): resid.cpu()})

@@ -12,12 +12,16 @@ Shapes: T query positions of this pass, S key positions, H heads, Dv v_head_dim,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 
 import torch
 
 from model import kernels
+from model.attention import MLA
 from model.cache import LayerCache
+from model.hooks import Hooks
+
+_FORWARD = inspect.signature(MLA.forward)
 
 
 def wo_columns(weight: torch.Tensor, scale: torch.Tensor | None, heads: int) -> torch.Tensor:
@@ -29,37 +33,21 @@ def wo_columns(weight: torch.Tensor, scale: torch.Tensor | None, heads: int) -> 
 class HeadReads:
     """Forward hooks on every block's attention that keep its probabilities and values."""
 
-    def __init__(self, model: torch.nn.Module, mine: Callable[[], bool]):
+    def __init__(self, model: torch.nn.Module, hooks: Hooks):
         self.model = model
-        self._mine = mine
         self.block = -1
         self.probs: torch.Tensor | None = None  # (T, H, S) float32
         self._values: torch.Tensor | None = None  # (S, H, Dv), from the prefill's wkv_b
         self._cache: LayerCache | None = None
-
-    def register(self) -> list:
-        handles = []
-        for i, block in enumerate(self.model.layers):
+        for i, block in enumerate(model.layers):
             attn = block.attn
-            handles.append(
-                attn.register_forward_pre_hook(
-                    self._guard(lambda m, args, kwargs, i=i: self._start(i, args, kwargs)), with_kwargs=True
-                )
-            )
-            handles.append(attn.probs.register_forward_hook(self._guard(self._probs)))
-            handles.append(attn.wkv_b.register_forward_hook(self._guard(self._wkv_b)))
-        return handles
+            hooks.before(attn, lambda m, args, kwargs, i=i: self._start(i, m, args, kwargs), with_kwargs=True)
+            hooks.after(attn.probs, self._probs)
+            hooks.after(attn.wkv_b, self._wkv_b)
 
-    def _guard(self, fn):
-        def hook(*args, **kwargs):
-            if self._mine():
-                fn(*args, **kwargs)
-
-        return hook
-
-    def _start(self, block: int, args: tuple, kwargs: dict) -> None:
+    def _start(self, block: int, attn: MLA, args: tuple, kwargs: dict) -> None:
         self.block, self.probs, self._values = block, None, None
-        self._cache = kwargs["cache"] if "cache" in kwargs else (args[4] if len(args) > 4 else None)
+        self._cache = _FORWARD.bind(attn, *args, **kwargs).arguments.get("cache")  # MLA.forward's ``cache``, however passed
 
     def _probs(self, module, inputs, output) -> None:
         self.probs = output[0].float()  # (T, H, S)

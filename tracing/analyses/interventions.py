@@ -116,14 +116,14 @@ class ZeroExperts(Intervention):
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
         out: dict[str, Replace] = {}
         for layer, ids in _checked_experts(args, self.experts):
-            site = site_name(layer, "ffn")
+            chosen = site_name(layer, "ffn.gate.topk_indices")
 
-            def zero(value, seen, s=site, ids=ids):
-                slots = seen[f"{s}.gate.topk_indices"].sort(dim=-1).values  # (N, k): expert_out's slots, ascending
+            def zero(value, seen, chosen=chosen, ids=ids):
+                slots = seen[chosen].sort(dim=-1).values  # (N, k): expert_out's slots, ascending
                 silent = torch.isin(slots, torch.tensor(ids, device=slots.device))
                 return value.masked_fill(silent.unsqueeze(-1), 0.0)  # (N, k, D)
 
-            out[f"{site}.expert_out"] = zero
+            out[site_name(layer, "ffn.expert_out")] = zero
         return out
 
     def describe(self) -> str:
@@ -171,10 +171,10 @@ class NoGateBias(Intervention):
         out: dict[str, Replace] = {}
         rule = RouterRule.of(args)
         for layer in _moe_layers(args, self.layers):
-            site = site_name(layer, "ffn.gate")
-            out[f"{site}.biased_scores"] = lambda value, seen, s=site: seen[f"{s}.scores"]
-            out[f"{site}.group_scores"] = lambda value, seen, s=site: (
-                select_experts(seen[f"{s}.biased_scores"], None, rule).group_scores
+            scores, biased = site_name(layer, "ffn.gate.scores"), site_name(layer, "ffn.gate.biased_scores")
+            out[biased] = lambda value, seen, scores=scores: seen[scores]
+            out[site_name(layer, "ffn.gate.group_scores")] = lambda value, seen, biased=biased: (
+                select_experts(seen[biased], None, rule).group_scores
             )
         return out
 
@@ -199,14 +199,14 @@ class IndexTopK(Intervention):
             raise InputError("--index-topk must be positive")
         out: dict[str, Replace] = {}
         for layer in range(args.n_layers):
-            site = site_name(layer, "attn.indexer")
+            name = site_name(layer, "attn.indexer.scores")
 
-            def select(value, seen, s=site):
-                scores = seen[f"{s}.scores"]  # (B, T, S), -inf where masked
+            def select(value, seen, name=name):
+                scores = seen[name]  # (B, T, S), -inf where masked
                 values, indices = topk(scores, min(self.k, scores.shape[-1]))
                 return indices.masked_fill(values == float("-inf"), -1)
 
-            out[f"{site}.topk_indices"] = select
+            out[site_name(layer, "attn.indexer.topk_indices")] = select
         return out
 
     def config(self, args: ModelArgs) -> ModelArgs:

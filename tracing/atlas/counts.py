@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from model.config import ModelArgs
+from model.hooks import Hooks
 from model.moe import RouterRule, select_experts
 
 from ..analyses.recall import head_recall
@@ -150,21 +151,17 @@ class AtlasCounts:
     def watch(self, model: torch.nn.Module) -> Iterator[AtlasCounts]:
         """Hooks on ``model``'s hook points for as long as the block runs; always removed."""
         points = hook_points(model)
-        handles = []
-        try:
+        with Hooks() as hooks:
             for i in range(self.args.n_layers):
-                handles.append(points[site_name(i, "attn.indexer.topk_indices")].register_forward_hook(self._on_keys(i)))
-                handles.append(points[site_name(i, "attn.scores")].register_forward_hook(self._on_scores(i)))
+                hooks.after(points[site_name(i, "attn.indexer.topk_indices")], self._on_keys(i))
+                hooks.after(points[site_name(i, "attn.scores")], self._on_scores(i))
                 if i not in self.moe:
                     continue
-                for stage in ("scores", "groups", "topk_indices"):
-                    handles.append(points[site_name(i, f"ffn.gate.{stage}")].register_forward_hook(self._keep(stage, i)))
+                for stage in ("ffn.gate.scores", "ffn.gate.groups", "ffn.gate.topk_indices"):
+                    hooks.after(points[site_name(i, stage)], self._keep(stage.removeprefix("ffn.gate."), i))
                 biased = model.layers[i].ffn.gate.bias is not None
-                handles.append(points[site_name(i, "ffn.gate.topk_weights")].register_forward_hook(self._on_route(i, biased)))
+                hooks.after(points[site_name(i, "ffn.gate.topk_weights")], self._on_route(i, biased))
             yield self
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def _add(self, name: str, row: int, value: torch.Tensor) -> None:
         self._pending.append((name, row, value))

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..sites import site_name
+from ..sites import part_name
 from ..trace import Trace
 from .grid import index_grid
 
@@ -271,7 +271,7 @@ def attribution_table(trace: Trace) -> pd.DataFrame:
     for i in trace.layers_with("attn.attribution"):
         sources, rests = trace.site(i, "attn.attribution_src"), trace.site(i, "attn.attribution_src_rest")
         for head, value in enumerate(trace.site(i, "attn.attribution").tolist()):
-            name = site_name(i, f"attn.head.{head}")
+            name = part_name(i, f"attn.head.{head}")
             rows.append((name, i, "head", head, -1, value))
             if sources is not None:
                 for s in torch.nonzero(sources[head]).flatten().tolist():
@@ -280,11 +280,11 @@ def attribution_table(trace: Trace) -> pd.DataFrame:
                 rows.append((f"{name}.source_rest", i, "source_rest", head, -1, float(rests[head])))
         parts = trace.site(i, "ffn.attribution").tolist()
         if len(parts) == 1:
-            rows.append((site_name(i, "ffn"), i, "mlp", -1, -1, parts[0]))
+            rows.append((part_name(i, "ffn"), i, "mlp", -1, -1, parts[0]))
             continue
         chosen = [e for e, value in enumerate(parts[:-1]) if value != 0.0]  # experts not chosen hold 0
-        rows.extend((site_name(i, f"ffn.experts.{e}"), i, "expert", e, -1, parts[e]) for e in chosen)
-        rows.append((site_name(i, "ffn.shared_experts"), i, "shared", -1, -1, parts[-1]))
+        rows.extend((part_name(i, f"ffn.experts.{e}"), i, "expert", e, -1, parts[e]) for e in chosen)
+        rows.append((part_name(i, "ffn.shared_experts"), i, "shared", -1, -1, parts[-1]))
     rows.append(("attribution.rest", -1, "rest", -1, -1, float(trace["attribution.rest"][0])))
     frame = pd.DataFrame(rows, columns=["part", "block", "kind", "index", "source", "value"])
     frame.insert(5, "source_token", np.where(frame["source"] >= 0, tokens[frame["source"].clip(lower=0)], ""))
