@@ -1,28 +1,266 @@
-"""One traced prefill: prompt or token ids in, a Trace out. The CLI and the app both call this."""
+"""One traced run: a :class:`TraceRequest` in, a :class:`~tracing.trace.Trace` out.
+
+The request holds everything a run is asked (the prompt or its token ids, the chat framing, the
+sites, the decode path, generation and sampling, attribution, interventions, patches) and is
+checked in one place (:meth:`TraceRequest.check`); :func:`run` carries it out on a model. The
+command line builds one from its flags, the app from its sidebar, the server receives one as
+JSON: an option behaves the same everywhere.
+
+    trace = run(model, TraceRequest(prompt="It is a truth", generate=8), tokenizer)
+
+:func:`trace_tokens` is the engine below: token ids already resolved, interventions as objects.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from model import kernels
+from model.config import ModelArgs
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
-from .analyses.interventions import Intervention
+from .analyses.interventions import Intervention, from_spec
+from .chat import encode_chat
 from .errors import InputError
 from .nonfinite import first_nonfinite
 from .sampling import Sampling, choose
+from .tokenizer import Tokenizer
 from .trace import Trace
 from .tracer import Tracer
 
+INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention")  # tracing.analyses.interventions.from_spec
 
-def check_token_ids(ids: list[int], model: Transformer, max_tokens: int | None = None, generate: int = 0) -> None:
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """What one run is asked, every option of ``python -m tracing run`` (docs/cli.md).
+
+    The input is ``prompt`` (text the checkpoint's tokenizer encodes; ``chat`` frames it as a user
+    turn of DeepSeek-V3.2's conversation, ``thinking`` opens the answer in thinking mode) or
+    ``token_ids``. ``record``: site patterns (tracing.sites.select). ``prefill``: the first N
+    positions as one prefill, each later one through the decode path. ``generate`` new tokens,
+    greedy or sampled (``temperature``, ``top_p``, ``seed``). ``attribute``: the direct logit
+    attribution at ``position`` for ``target`` (minus ``contrast``): a token id, or a token's text.
+    ``interventions``: the spec tracing.analyses.interventions.from_spec reads (``ablate``,
+    ``zero_experts``, ``ablate_heads``: "LAYER:ID,..."; ``no_bias``: "all" or [blocks];
+    ``attention``: "dense" or an index_topk). ``patches``: site name -> value (not part of the JSON
+    form: it travels as safetensors).
+
+    A setting that belongs to another is refused without it (sampling without ``generate``, a
+    position without ``attribute``, ``thinking`` without ``chat``): one rule, so nothing is ignored
+    silently.
+    """
+
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    chat: bool = False
+    thinking: bool = False
+    record: tuple[str, ...] = ("default",)
+    prefill: int | None = None
+    generate: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    attribute: bool = False
+    position: int | None = None
+    target: int | str | None = None
+    contrast: int | str | None = None
+    interventions: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    patches: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.record, str):
+            object.__setattr__(self, "record", tuple(p.strip() for p in self.record.split(",") if p.strip()))
+        if self.token_ids is not None:
+            object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
+    # checks before any model work --------------------------------------------------------------
+    def check(self) -> TraceRequest:
+        """Every check that needs no model; InputError names what is wrong. Returns the request."""
+        if (self.prompt is None) == (self.token_ids is None):
+            raise InputError("give a prompt or token ids (one of them)")
+        if self.prompt is not None and not self.prompt.strip():
+            raise InputError("the prompt is empty: nothing to trace")
+        if self.token_ids is not None and not self.token_ids:
+            raise InputError("--token-ids is empty: nothing to trace")
+        if self.token_ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in self.token_ids):
+            raise InputError("token ids must be integers")
+        if self.chat and self.prompt is None:
+            raise InputError("--chat wraps a --prompt; token ids are used as they are")
+        if self.thinking and not self.chat:
+            raise InputError("--thinking applies to --chat")
+        if not self.record:
+            raise InputError("--record names no site: give patterns like 'default' or 'layers.*.ffn.gate.*'")
+        if not isinstance(self.generate, int) or self.generate < 0:
+            raise InputError(f"--generate must be 0 or more, not {self.generate}")
+        for flag, value in (("--temperature", self.temperature), ("--top-p", self.top_p), ("--seed", self.seed)):
+            if value is not None and not self.generate:
+                raise InputError(f"{flag} applies to --generate")
+        self.sampling()
+        if not self.attribute:
+            for flag, value in (("--position", self.position), ("--target", self.target), ("--contrast", self.contrast)):
+                if value is not None:
+                    raise InputError(f"{flag} applies to --attribute")
+        unknown = [key for key in self.interventions if key not in INTERVENTION_KEYS]
+        if unknown:
+            raise InputError(f"unknown intervention {unknown[0]!r}: choose from {', '.join(INTERVENTION_KEYS)}")
+        from_spec(self.interventions)  # a malformed LAYER:ID list is refused here, its numbers when the model runs
+        if self.patches and (self.generate or self.prefill is not None):
+            what = "--generate" if self.generate else "--prefill"
+            raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
+        return self
+
+    def sampling(self) -> Sampling:
+        """How a generation chooses its tokens (greedy unless a temperature is given)."""
+        return Sampling(
+            0.0 if self.temperature is None else self.temperature, 1.0 if self.top_p is None else self.top_p, self.seed
+        )
+
+    @property
+    def analyses(self) -> set[str]:
+        """The analyses asked for ("attribution", "flow"): what torchrun refuses before loading."""
+        return ({"attribution"} if self.attribute else set()) | (set(self.record) & {"attribution", "flow"})
+
+    # the JSON form (the server's wire) ---------------------------------------------------------
+    def to_json(self) -> str:
+        """Every field but the patches, as JSON."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "patches"}
+        try:
+            return json.dumps(data, allow_nan=False)
+        except ValueError:
+            raise InputError("the request holds a number JSON cannot carry (NaN or infinity)") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes, patches: Mapping[str, torch.Tensor] | None = None) -> TraceRequest:
+        """A request from its JSON form; InputError for a field that is unknown or of the wrong type."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise InputError(f"the request is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InputError("the request must be a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "patches"}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise InputError(f"unknown request field {unknown[0]!r}")
+        for name, kinds in _TYPES.items():
+            value = data.get(name)
+            if value is not None and not (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+                raise InputError(f"request field {name!r} has the wrong type ({type(value).__name__})")
+        for name in ("token_ids", "record"):
+            if data.get(name) is not None:
+                item = int if name == "token_ids" else str
+                if not all(isinstance(v, item) and not isinstance(v, bool) for v in data[name]):
+                    raise InputError(f"request field {name!r} must be a list of {item.__name__}")
+                data[name] = tuple(data[name])
+        if not isinstance(data.get("interventions", {}), dict):
+            raise InputError("request field 'interventions' must be an object")
+        return cls(**data, patches=patches)
+
+
+_TYPES = {
+    "prompt": (str,),
+    "token_ids": (list,),
+    "chat": (bool,),
+    "thinking": (bool,),
+    "record": (list,),
+    "prefill": (int,),
+    "generate": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "seed": (int,),
+    "attribute": (bool,),
+    "position": (int,),
+    "target": (int, str),
+    "contrast": (int, str),
+    "interventions": (dict,),
+}
+
+
+def token_id(flag: str, value: int | str | None, tokenizer: Tokenizer | None) -> int | None:
+    """A token id from its number, or from its text (one token of the tokenizer, or a token's own name)."""
+    if value is None or isinstance(value, int):
+        return value
+    text = value
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    if tokenizer is None:
+        raise InputError(f"{flag} {text!r}: no tokenizer to encode it with; pass a token id")
+    known = tokenizer.token_id(text)
+    if known is not None:
+        return known
+    ids = tokenizer.encode(text, add_bos=False)
+    if not ids:
+        raise InputError(f"{flag} {text!r} is not a token of this tokenizer")
+    if len(ids) > 1:
+        raise InputError(f"{flag} {text!r} is {len(ids)} tokens ({', '.join(map(str, ids))}); give one token")
+    return ids[0]
+
+
+def encode(request: TraceRequest, tokenizer: Tokenizer | None) -> list[int]:
+    """The request's token ids: its own, or its prompt through the tokenizer (as a chat turn when asked)."""
+    if request.token_ids is not None:
+        return list(request.token_ids)
+    if tokenizer is None:
+        raise InputError("this model has no tokenizer.json: pass token ids instead of a prompt")
+    if request.chat:
+        return encode_chat(tokenizer, request.prompt, request.thinking)
+    return tokenizer.encode(request.prompt)
+
+
+def run(
+    model: Transformer,
+    request: TraceRequest,
+    tokenizer: Tokenizer | None = None,
+    *,
+    on_block: Callable[[int], None] | None = None,
+    extra: dict[str, Any] | None = None,
+    max_tokens: int | None = None,
+    device: torch.device | str | None = None,
+    context: AbstractContextManager | None = None,
+    plan=None,
+) -> Trace:
+    """Carry out ``request`` on ``model`` (its tokenizer encodes a prompt and names the tokens):
+    checked, encoded, its target and contrast resolved, its interventions built, then traced
+    (:func:`trace_tokens`, whose keyword arguments these are)."""
+    request.check()
+    ids = encode(request, tokenizer)
+    attribution = None
+    if request.attribute:
+        target, contrast = (token_id(f"--{k}", getattr(request, k), tokenizer) for k in ("target", "contrast"))
+        attribution = AttributionRequest(request.position, target, contrast)
+    return trace_tokens(
+        model,
+        ids,
+        prompt=request.prompt or "",
+        record=list(request.record),
+        patches=request.patches,
+        on_block=on_block,
+        extra=extra,
+        max_tokens=max_tokens,
+        token_strings=tokenizer.token_strings if tokenizer is not None else None,
+        interventions=from_spec(request.interventions),
+        device=device,
+        context=context,
+        plan=plan,
+        prefill=request.prefill,
+        generate=request.generate,
+        sampling=request.sampling(),
+        attribution=attribution,
+    )
+
+
+def check_token_ids(ids: list[int], args: ModelArgs, max_tokens: int | None = None, generate: int = 0) -> None:
     """The prompt's ids, and the positions a generation of ``generate`` tokens adds, fit the model."""
-    limit = max_tokens or model.args.max_seq_len
+    limit = max_tokens or args.max_seq_len
     if not ids:
         raise InputError("the prompt is empty: nothing to trace")
     if len(ids) > limit:
@@ -31,9 +269,9 @@ def check_token_ids(ids: list[int], model: Transformer, max_tokens: int | None =
         raise InputError(f"--generate must be 0 or more, not {generate}")
     if len(ids) + generate > limit:
         raise InputError(f"{len(ids)} prompt tokens + {generate} generated exceed the {limit} this model takes")
-    bad = [i for i in ids if not 0 <= i < model.args.vocab_size]
+    bad = [i for i in ids if not 0 <= i < args.vocab_size]
     if bad:
-        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{model.args.vocab_size - 1})")
+        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{args.vocab_size - 1})")
 
 
 def trace_tokens(
@@ -78,7 +316,7 @@ def trace_tokens(
     last, is the run's last position); a position a generation did not reach (it stopped at the
     end-of-sequence token) is an InputError.
     """
-    check_token_ids(ids, model, max_tokens, generate)
+    check_token_ids(ids, model.args, max_tokens, generate)
     if attribution is not None:
         attribution.check(len(ids) + generate, model.args.vocab_size)
     sampling = (sampling or Sampling()).seeded()

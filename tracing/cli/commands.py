@@ -19,6 +19,7 @@ from model.config import ConfigError, ModelArgs
 from model.params import count_params
 
 from ..errors import InputError
+from ..run import TraceRequest
 from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
@@ -56,67 +57,69 @@ def _load_patches(path: str) -> dict:
         raise InputError(f"{path}: not a readable patch file ({exc})") from None
 
 
+def request_from_args(args: argparse.Namespace) -> TraceRequest:
+    """The TraceRequest ``run``'s flags ask for, checked (before any model loads)."""
+    if args.dense_attention and args.index_topk is not None:
+        raise InputError("--dense-attention and --index-topk exclude each other")
+    interventions = {
+        "ablate": args.ablate_experts or "",
+        "zero_experts": args.zero_experts or "",
+        "ablate_heads": args.ablate_heads or "",
+        "no_bias": "all" if args.no_gate_bias else None,
+        "attention": "dense" if args.dense_attention else args.index_topk,
+    }
+    request = TraceRequest(
+        prompt=args.prompt,
+        token_ids=None if args.token_ids is None else _token_ids(args.token_ids),
+        chat=args.chat,
+        thinking=args.thinking,
+        record=args.record,
+        prefill=args.prefill,
+        generate=args.generate,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        attribute=args.attribute,
+        position=args.position,
+        target=args.target,
+        contrast=args.contrast,
+        interventions={key: value for key, value in interventions.items() if value},
+        patches=_load_patches(args.patch) if args.patch else None,
+    )
+    return request.check()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..chat import encode_chat
-    from ..run import trace_tokens
-    from ..sampling import Sampling
+    from ..run import run
     from ..tables import stage_tables, tables
     from .output import Outputs, check_directory, check_file
 
     check_file(args.out)  # before the run, which may take long; checked again when writing
-    sampling = Sampling(args.temperature, args.top_p, args.seed)  # bad values: before the model loads
-    if args.chat and args.prompt is None:
-        raise InputError("--chat wraps a --prompt; token ids are used as they are")
-    if args.thinking and not args.chat:
-        raise InputError("--thinking applies to --chat")
-    if args.generate < 0:
-        raise InputError(f"--generate must be 0 or more, not {args.generate}")
+    request = request_from_args(args)
     if args.csv:
         check_directory(args.csv)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # before the ranks load their parts (the tracer checks again)
         from ..tracer import refuse_parallel
 
-        asked = {p.strip() for p in args.record.split(",")} | ({"attribution"} if args.attribute else set())
-        refuse_parallel(asked & {"attribution", "flow"})
+        refuse_parallel(request.analyses)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
     draw = rank0 and sys.stderr.isatty()  # a progress bar redrawn in place is for a terminal, not a log
-    stream_progress = None
-    if draw:
-        stream_progress = stream_bar()
     if args.synthetic and args.prompt is not None:
         raise InputError("synthetic weights have no tokenizer: pass --token-ids instead of --prompt")
-    loaded = open_from_args(args, device, dtype, stream_progress)
-    tokenizer = loaded.tokenizer
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise InputError(f"{loaded.label} has no tokenizer.json: pass --token-ids")
-        if not args.prompt.strip():
-            raise InputError("the prompt is empty: nothing to trace")
-        ids = encode_chat(tokenizer, args.prompt, args.thinking) if args.chat else tokenizer.encode(args.prompt)
-    else:
-        ids = _token_ids(args.token_ids)
-    patches = _load_patches(args.patch) if args.patch else None
-    interventions = _interventions(args)
-    attribution = _attribution(args, tokenizer, len(ids), loaded.model.args.vocab_size)
+    loaded = open_from_args(args, device, dtype, stream_bar() if draw else None)
+    if args.prompt is not None and loaded.tokenizer is None:
+        raise InputError(f"{loaded.label} has no tokenizer.json: pass --token-ids")
     progress = ProgressBar(len(loaded.model.layers), enabled=draw and not loaded.stream)  # streaming draws its own
-    trace = trace_tokens(
+    trace = run(
         loaded.model,
-        ids,
-        prompt=args.prompt or "",
-        record=args.record,
-        patches=patches,
+        request,
+        loaded.tokenizer,
         on_block=lambda i: progress.update(i + 1, f"layers.{i}"),
         extra={"checkpoint": loaded.label},
-        token_strings=tokenizer.token_strings if tokenizer else None,
-        interventions=interventions,
         device=loaded.device,
         context=loaded.context(),
         plan=loaded.plan,
-        prefill=args.prefill,
-        generate=args.generate,
-        sampling=sampling,
-        attribution=attribution,
     )
     progress.close()
     if rank0 and (bad := trace.extra.get("nonfinite")):
@@ -128,58 +131,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.csv:
                 stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
     return 0
-
-
-def _attribution(args: argparse.Namespace, tokenizer, n_tokens: int, vocab_size: int):
-    """The --attribute request; a target or contrast given as text must be one token of the checkpoint's tokenizer."""
-    from ..analyses.attribution import AttributionRequest
-
-    if not args.attribute:
-        for flag in ("position", "target", "contrast"):
-            if getattr(args, flag) is not None:
-                raise InputError(f"--{flag} applies to --attribute")
-        return None
-    target, contrast = (_token(f"--{flag}", getattr(args, flag), tokenizer) for flag in ("target", "contrast"))
-    request = AttributionRequest(args.position, target, contrast)
-    request.check(n_tokens + max(args.generate, 0), vocab_size)  # before the model runs
-    return request
-
-
-def _token(flag: str, text: str | None, tokenizer) -> int | None:
-    """A token id from its number, or from its text (one token of the tokenizer, or a token's own name)."""
-    if text is None:
-        return None
-    if text.strip().lstrip("-").isdigit():
-        return int(text)
-    if tokenizer is None:
-        raise InputError(f"{flag} {text!r}: no tokenizer to encode it with; pass a token id")
-    known = tokenizer.token_id(text)
-    if known is not None:
-        return known
-    ids = tokenizer.encode(text, add_bos=False)
-    if not ids:
-        raise InputError(f"{flag} {text!r} is not a token of this tokenizer")
-    if len(ids) > 1:
-        raise InputError(f"{flag} {text!r} is {len(ids)} tokens ({', '.join(map(str, ids))}); give one token")
-    return ids[0]
-
-
-def _interventions(args: argparse.Namespace) -> list:
-    from ..analyses.interventions import from_spec
-
-    if args.dense_attention and args.index_topk is not None:
-        raise InputError("--dense-attention and --index-topk exclude each other")
-    no_bias = "all" if args.no_gate_bias else None
-    attention = "dense" if args.dense_attention else args.index_topk
-    return from_spec(
-        {
-            "ablate": args.ablate_experts or "",
-            "zero_experts": args.zero_experts or "",
-            "ablate_heads": args.ablate_heads or "",
-            "no_bias": no_bias,
-            "attention": attention,
-        }
-    )
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -292,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="after the prompt, generate N tokens through the decode path (stops after the end-of-sequence token)",
     )
-    run.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 (default) is greedy; above 0 samples")
-    run.add_argument("--top-p", type=float, default=1.0, help="with --generate and a temperature: nucleus sampling (0, 1]")
+    run.add_argument("--temperature", type=float, help="with --generate: 0 (default) is greedy; above 0 samples")
+    run.add_argument("--top-p", type=float, help="with --generate and a temperature: nucleus sampling (0, 1], default 1")
     run.add_argument("--seed", type=int, help="with --generate and a temperature: the sampling seed (default: drawn, recorded)")
     run.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of DeepSeek-V3.2's chat format")
     run.add_argument("--thinking", action="store_true", help="with --chat: the assistant turn starts in thinking mode")
