@@ -8,14 +8,13 @@ from pathlib import Path
 
 import streamlit as st
 
-from model import kernels
 from tracing.errors import InputError
 from tracing.nonfinite import first_nonfinite
 from tracing.sampling import Sampling
 
 from .core import settings
 from .core.errors import BAD_INPUT
-from .core.models import OpenModel, open_model
+from .core.models import AppModel, open_model
 from .core.session import SOURCES, current_entry
 from .core.traces import Chat, Generation, TraceKey, chat_refusal, open_upload, store, token_limit, trace_prompt
 from .widgets import escape_md
@@ -97,15 +96,9 @@ def _model_source(source: str, notices):
     except BAD_INPUT as exc:
         notices.error(f"**Checkpoint not loaded.** {escape_md(str(exc))}", icon=":material/error:")
         return None
-    lines = [
-        f"{om.label}: {om.args.n_layers} blocks, d = {om.args.dim}, {om.args.n_routed_experts} experts, "
-        f"vocabulary {om.args.vocab_size:,}"
-    ]
-    if om.loaded.device.type == "cpu":  # the route decides how fast (and how rounded) every bf16 product is here
-        cpu = kernels.describe()
-        lines.append(f":material/memory: CPU bfloat16 products: {escape_md(cpu['cpu_products'])}")
-        lines.append(f":material/memory: CPU threads: {escape_md(cpu['cpu_threads'])}")
-    lines += [f":material/info: {note}" for note in om.notes]
+    first, *rest = om.describe()
+    lines = [escape_md(first), *(f":material/memory: {escape_md(line)}" for line in rest)]
+    lines += [f":material/info: {escape_md(note)}" for note in om.notes]
     st.caption("  \n".join(lines))  # one element: each one more costs the browser a redraw on every rerun
     return om
 
@@ -139,7 +132,7 @@ def _upload_source(notices) -> None:
     st.session_state["trace_key"] = entry.key
 
 
-def _chat_control(om: OpenModel | None) -> None:
+def _chat_control(om: AppModel | None) -> None:
     """Frame the prompt as a user turn of DeepSeek-V3.2's conversation format, so the model answers it."""
     refusal = None if om is None else chat_refusal(om)
     if refusal is not None:
@@ -169,7 +162,7 @@ def chat_request() -> Chat | None:
     return Chat(bool(st.session_state.get("chat_thinking"))) if st.session_state.get("chat") else None
 
 
-def _generate_control(om: OpenModel | None) -> None:
+def _generate_control(om: AppModel | None) -> None:
     """How many tokens the model writes after the prompt, and how it picks them."""
     limit = settings.max_tokens() if om is None else token_limit(om)
     row = st.container(horizontal=True)  # one flex row: two columns would be three elements
@@ -211,7 +204,7 @@ def _generation_settings() -> tuple[int, Sampling]:
     return tokens, Sampling(float(temperature), float(top_p), None if seed is None else int(seed))
 
 
-def _trace(om: OpenModel, run: bool, notices) -> None:
+def _trace(om: AppModel, run: bool, notices) -> None:
     """Trace on the button, on first load, and when the model changed under the shown trace."""
     key = st.session_state.get("trace_key")
     if not run and key is not None and key.on(om):
@@ -243,7 +236,7 @@ def _trace(om: OpenModel, run: bool, notices) -> None:
     st.session_state["trace_key"] = entry.key
 
 
-def _ensure_current(om: OpenModel | None, notices) -> None:
+def _ensure_current(om: AppModel | None, notices) -> None:
     """The store may have dropped this session's trace (other sessions filled it): make it again."""
     key = st.session_state.get("trace_key")
     if key is None or store().get(key) is not None:

@@ -97,10 +97,10 @@ class WeightSource(ABC):
 
     def nbytes(self, names: Iterable[str]) -> int:
         specs = self.specs()
-        return sum(_numel(specs[n].shape) * specs[n].dtype.itemsize for n in names)
+        return sum(numel_of(specs[n].shape) * specs[n].dtype.itemsize for n in names)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def numel_of(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s

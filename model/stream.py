@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .checkpoint import TensorReader, WeightSource, validate
+from .checkpoint import TensorReader, WeightSource, numel_of, validate
 from .fp8 import FP8
 from .hooks import Hooks
 from .kernels import use_once
@@ -477,15 +477,13 @@ def stream_forward(
 
 def model_bytes(source: WeightSource, device: torch.device | str = "cpu") -> int:
     """Memory the fully loaded model takes on ``device``: its weights (the head and ``weights_proj``
-    held in float32), plus on the CPU the float32 copy :class:`~model.linear.Linear` keeps of each
-    FP8 weight once used (4 bytes per weight)."""
+    held in float32), plus on the CPU the copies model.kernels keeps of each FP8 weight once used
+    (4 bytes per weight: dequantised and laid out for oneDNN in bfloat16, or in float32)."""
     specs = source.specs()
     total = 0
     cpu = torch.device(device).type == "cpu"
     for name, spec in specs.items():
-        numel = 1
-        for s in spec.shape:
-            numel *= s
+        numel = numel_of(spec.shape)
         total += numel * (4 if from_hf(name).endswith(STORED_BF16) else spec.dtype.itemsize)
         if cpu and spec.dtype == FP8:
             total += numel * 4

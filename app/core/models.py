@@ -1,6 +1,11 @@
-"""Models: each checkpoint opened once per process per (checkpoint, dtype) with
-``st.cache_resource`` and shared by every browser session (the Tracer keeps concurrent sessions'
-hooks apart). A checkpoint that failed is not read again until its files change.
+"""Models: what the app asks of a model (:class:`AppModel`: describe it, encode a request's prompt,
+trace a request), and the models of this process (:class:`LocalModel`). Pages reach a model only
+through AppModel, as llm-transparency-tool's pages reach theirs through ``TransparentLlm``, so a
+model elsewhere (a model server) is one more implementation, not a change to any page.
+
+Each checkpoint is opened once per process per (checkpoint, dtype) with ``st.cache_resource`` and
+shared by every browser session (the Tracer keeps concurrent sessions' hooks apart). A checkpoint
+that failed is not read again until its files change.
 
 Under ANATOMY_CHECKPOINT_ROOTS the checkpoint field is an allow-list, and every refusal reads the
 same: a reason could tell what exists on the server or quote its files.
@@ -11,15 +16,22 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import streamlit as st
 
+from model import kernels
 from model.checkpoint import INDEX, CheckpointError, SafetensorsSource
 from model.config import ModelArgs
-from model.stream import available_memory
+from model.stream import available_memory, model_bytes
+from tracing.chat import encode_chat
 from tracing.cli.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
+from tracing.run import TraceRequest, encode, run
+from tracing.tokenizer import TokenizerError
+from tracing.trace import Trace
 
 from . import settings
 from .errors import BAD_INPUT
@@ -29,9 +41,41 @@ NOT_ALLOWED = "not a loadable checkpoint under the allowed roots (the server log
 log = logging.getLogger(__name__)
 
 
+class AppModel(ABC):
+    """A model as the app's pages see it, wherever it runs."""
+
+    key: str  # what the trace store tells its traces apart by (a checkpoint directory)
+    label: str  # for people: "bundled demo", a directory's name
+    dtype: str  # the activation dtype, "bfloat16" or "float32"
+    notes: list[str]  # what loading it said
+
+    @property
+    @abstractmethod
+    def args(self) -> ModelArgs: ...
+
+    @abstractmethod
+    def describe(self) -> list[str]:
+        """Lines for the sidebar: the architecture, where and how it computes."""
+
+    @abstractmethod
+    def has_tokenizer(self) -> bool: ...
+
+    @abstractmethod
+    def chat_refusal(self) -> str | None:
+        """Why this model's vocabulary cannot frame a chat turn, or None."""
+
+    @abstractmethod
+    def encode(self, request: TraceRequest) -> list[int]:
+        """The token ids ``request`` feeds (its prompt through the tokenizer, or its own)."""
+
+    @abstractmethod
+    def trace(self, request: TraceRequest, on_block: Callable[[int], None] | None, max_tokens: int) -> Trace:
+        """``request`` run on this model (tracing.run.run)."""
+
+
 @dataclass
-class OpenModel:
-    """A loaded checkpoint and what the app says about it."""
+class LocalModel(AppModel):
+    """A checkpoint loaded in this process."""
 
     loaded: Loaded
     path: Path
@@ -40,8 +84,48 @@ class OpenModel:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def key(self) -> str:
+        return str(self.path)
+
+    @property
     def args(self) -> ModelArgs:
         return self.loaded.model.args
+
+    def describe(self) -> list[str]:
+        a = self.args
+        lines = [f"{self.label}: {a.n_layers} blocks, d = {a.dim}, {a.n_routed_experts} experts, vocabulary {a.vocab_size:,}"]
+        if self.loaded.device.type == "cpu":  # the route decides how fast (and how rounded) every bf16 product is here
+            cpu = kernels.describe()
+            lines += [f"CPU bfloat16 products: {cpu['cpu_products']}", f"CPU threads: {cpu['cpu_threads']}"]
+        else:
+            lines.append(f"device: {self.loaded.device}")
+        return lines
+
+    def has_tokenizer(self) -> bool:
+        return self.loaded.tokenizer is not None
+
+    def chat_refusal(self) -> str | None:
+        if self.loaded.tokenizer is None:
+            return "this checkpoint has no tokenizer.json"
+        try:
+            encode_chat(self.loaded.tokenizer, "")
+        except TokenizerError as exc:
+            return str(exc).partition(":")[0]  # "this tokenizer has no <｜User｜> token"
+        return None
+
+    def encode(self, request: TraceRequest) -> list[int]:
+        return encode(request.check(), self.loaded.tokenizer)
+
+    def trace(self, request: TraceRequest, on_block: Callable[[int], None] | None, max_tokens: int) -> Trace:
+        with kernels.serial_passes(settings.threads()):  # this session's thread only (another traces beside it)
+            return run(
+                self.loaded.model,
+                request,
+                self.loaded.tokenizer,
+                on_block=on_block,
+                extra={"checkpoint": self.loaded.label if self.path == DEMO else self.path.name},  # not the server's path
+                max_tokens=max_tokens,
+            )
 
 
 def check_checkpoint(value: str) -> Path:
@@ -102,8 +186,9 @@ def _available_memory() -> int | None:
 
 
 def _check_size(source: SafetensorsSource) -> int:
-    """The weights' bytes; CheckpointError when they cannot fit in this machine's free memory."""
-    size = sum(spec.dtype.itemsize * _numel(spec.shape) for spec in source.specs().values())
+    """The loaded model's bytes (model.stream.model_bytes); CheckpointError when they cannot fit in
+    this machine's free memory."""
+    size = model_bytes(source)
     free = _available_memory()
     if free is not None and size > 0.8 * free:
         path = source.directory
@@ -115,15 +200,8 @@ def _check_size(source: SafetensorsSource) -> int:
     return size
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 @st.cache_resource(max_entries=2, show_spinner="Loading the checkpoint…")
-def _open_model(path: str, dtype: str, device_name: str) -> OpenModel:
+def _open_model(path: str, dtype: str, device_name: str) -> LocalModel:
     source = SafetensorsSource(path)  # config.json and the index; raises CheckpointError on either
     _check_size(source)
     with warnings.catch_warnings(record=True) as caught:
@@ -133,7 +211,7 @@ def _open_model(path: str, dtype: str, device_name: str) -> OpenModel:
     if loaded.tokenizer is None:
         notes.append("this checkpoint has no tokenizer.json: type token ids (like 0, 17, 42) instead of text")
     label = "bundled demo" if Path(path) == DEMO else Path(path).name
-    return OpenModel(loaded, Path(path), dtype, label, notes)
+    return LocalModel(loaded, Path(path), dtype, label, notes)
 
 
 @st.cache_resource
@@ -148,7 +226,7 @@ def _stamp(path: Path) -> tuple:
     return tuple((path / name).stat().st_mtime_ns if (path / name).exists() else 0 for name in (".", "config.json", INDEX))
 
 
-def open_model(value: str, dtype: str) -> OpenModel:
+def open_model(value: str, dtype: str) -> AppModel:
     """The model of checkpoint ``value`` ('demo' or a directory), loaded once per process;
     CheckpointError (or ConfigError, TokenizerError) says why not. Under ANATOMY_CHECKPOINT_ROOTS the
     reason goes to the server log and the user sees NOT_ALLOWED: a reason can quote the files."""
@@ -162,7 +240,7 @@ def open_model(value: str, dtype: str) -> OpenModel:
         raise CheckpointError(NOT_ALLOWED) from None
 
 
-def _open_checked(value: str, dtype: str) -> OpenModel:
+def _open_checked(value: str, dtype: str) -> AppModel:
     path = check_checkpoint(value).resolve()
     key = (str(path), dtype, _stamp(path))
     failures = _failures()

@@ -15,66 +15,126 @@ from tracing.trace import Trace
 
 from . import settings
 from .errors import BAD_INPUT
-from .models import OpenModel, open_model
+from .models import AppModel, open_model
 from .traces import Entry, store
 
 SOURCES = ("demo", "dir", "upload")
-_DEFAULTS: dict[str, Any] = {
-    "source": "demo",
-    "ckpt_dir": "",
-    "prompt": settings.DEFAULT_PROMPT,
-    "dtype": "bfloat16",
-    "block": 0,
-    "trace_key": None,  # the TraceKey of the trace this session shows
-    "gen_tokens": 0,  # new tokens written after the prompt (0: trace the prompt alone)
-    "gen_mode": "greedy",  # greedy | sampled
-    "gen_temperature": 0.8,
-    "gen_top_p": 0.95,
-    "gen_seed": None,  # None: a new draw each time
-    "chat": False,  # the prompt framed as a chat turn
-    "chat_thinking": False,  # ... with the answer starting in thinking mode
-}
-# widget values Streamlit would forget while their widget is not drawn (another page, another source)
-_KEEP = (
-    "ckpt_dir",
-    "prompt",
-    "dtype",
-    "block",
-    "anatomy_component",
-    "query",
-    "attention_head",
-    "router_biased",
-    "gen_tokens",
-    "gen_mode",
-    "gen_temperature",
-    "gen_top_p",
-    "gen_seed",
-    "gen_step",
-    "chat",
-    "chat_thinking",
-    "model_map_tab",  # the tab each page has open
-    "residual_tab",
-    "attention_tab",
-    "router_tab",
-    "generation_tab",
-    "attr_position",
-    "attr_target",
-    "attr_contrast",
-    "attr_threshold",
+TABBED_PAGES = ("model_map", "residual", "attention", "router", "generation")
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class Key:
+    """One session-state key: what it holds, its value when a session starts (if any), and whether
+    it is a widget value carried across pages (Streamlit forgets a widget's value while the widget
+    is not drawn: on another page, under another source). A family is a prefix: the key is it plus
+    an id (a block, a card, a table)."""
+
+    name: str
+    what: str
+    default: Any = _UNSET
+    kept: bool = False
+    family: bool = False
+
+
+# Every key the app keeps, in one place: tests/app/test_session.py fails on a key the app uses and
+# this table lacks.
+SCHEMA: tuple[Key, ...] = (
+    # the sidebar: source, model, prompt, run settings
+    Key("source", "the model source: demo, dir (a checkpoint directory) or upload (a trace file)", "demo"),
+    Key("ckpt_dir", "the checkpoint directory typed", "", kept=True),
+    Key("upload", "the uploaded trace file (the uploader's value)"),
+    Key("dtype", "the activation dtype, bfloat16 or float32", "bfloat16", kept=True),
+    Key("prompt", "the prompt", settings.DEFAULT_PROMPT, kept=True),
+    Key("run", "the Trace button"),
+    Key("chat", "the prompt framed as a chat turn", False, kept=True),
+    Key("chat_thinking", "... with the answer starting in thinking mode", False, kept=True),
+    Key("gen_tokens", "new tokens written after the prompt (0: trace the prompt alone)", 0, kept=True),
+    Key("gen_mode", "greedy or sampled", "greedy", kept=True),
+    Key("gen_temperature", "the sampling temperature", 0.8, kept=True),
+    Key("gen_top_p", "the sampling top-p", 0.95, kept=True),
+    Key("gen_seed", "the sampling seed; None: a new draw each time", None, kept=True),
+    Key("block", "the block the pages show", 0, kept=True),
+    Key("trace_key", "the TraceKey of the trace this session shows", None),
+    # pages
+    Key("map_block", "Model map: the block whose parameters are listed"),
+    Key("anatomy_component", "Block anatomy: the card shown", kept=True),
+    Key("anatomy_prev", "Block anatomy: the previous card button"),
+    Key("anatomy_next", "Block anatomy: the next card button"),
+    Key("anatomy_", "Block anatomy: a card's own widgets (the card id)", family=True),
+    Key("query", "Attention: the query position", kept=True),
+    Key("attention_head", "Attention: the head", kept=True),
+    Key("router_biased", "Router: scores with the correction bias", kept=True),
+    Key("gen_step", "Generation: the step shown", kept=True),
+    Key("attr_position", "Attribution: the attributed position", kept=True),
+    Key("attr_target", "Attribution: the target token", kept=True),
+    Key("attr_contrast", "Attribution: the contrast token", kept=True),
+    Key("attr_threshold", "Attribution: the contribution graph's edge threshold", kept=True),
+    Key("attr_flow_run", "Attribution: the contribution graph's button"),
+    Key("attr_flow_for", "Attribution: the plain trace's key the contribution graph was asked for"),
+    Key("attr_picked_for", "Attribution: the plain trace's key the pickers were set for"),
+    Key("attr_remove_", "Attribution: the one-click removal of a part (its key)", family=True),
+    Key("iv_result", "Interventions: the last run, {base: the baseline's key, spec: what was run}"),
+    Key("iv_arriving", "Interventions: a removal another page asked for, run on arrival"),
+    Key("iv_run", "Interventions: the Run button"),
+    Key("iv_clear", "Interventions: the Clear button"),
+    Key("iv_only_changed", "Interventions: show only what changed"),
+    Key("iv_no_bias", "Interventions: route without the correction bias"),
+    Key("iv_no_bias_blocks", "Interventions: ... in these blocks"),
+    Key("iv_attention", "Interventions: the attention (sparse, dense, another top-k)"),
+    Key("iv_topk", "Interventions: the other index_topk"),
+    Key("iv_load_block", "Interventions: the block whose expert load is shown"),
+    Key("iv_add_busiest_", "Interventions: add the busiest experts (per kind)", family=True),
+    Key("iv_experts_", "Interventions: experts ablated in a block", family=True),
+    Key("iv_block", "Interventions: the block whose experts are being ablated"),
+    Key("iv_ablate_text", "Interventions: experts to ablate, typed as LAYER:EXPERT,..."),
+    Key("iv_zeroed_", "Interventions: experts zeroed in a block", family=True),
+    Key("iv_zero_block", "Interventions: the block whose experts are being zeroed"),
+    Key("iv_zero_text", "Interventions: experts to zero, typed"),
+    Key("iv_heads_", "Interventions: heads ablated in a block", family=True),
+    Key("iv_head_block", "Interventions: the block whose heads are being ablated"),
+    Key("iv_head_text", "Interventions: heads to ablate, typed"),
+    Key("export_preview", "Export: the table previewed"),
+    Key("atlas_source", "Atlas: bundled, a directory or an upload"),
+    Key("atlas_dir", "Atlas: the directory typed"),
+    Key("atlas_upload", "Atlas: the uploaded zip"),
+    Key("atlas_section", "Atlas: the section shown"),
+    Key("atlas_block", "Atlas: the block"),
+    Key("atlas_expert", "Atlas: the expert"),
+    Key("atlas_sorted", "Atlas: the expert load sorted"),
+    Key("atlas_load", "Atlas: the expert load as counts or shares"),
+    Key("atlas_imbalance", "Atlas: the imbalance measure"),
+    Key("atlas_groups", "Atlas: group load shown"),
+    Key("atlas_pairs", "Atlas: co-activation as counts or lift"),
+    Key("atlas_lift", "Atlas: the lift's smoothing"),
+    Key("atlas_bias", "Atlas: the routing bias's view"),
+    Key("atlas_distance", "Atlas: the indexer distance's view"),
+    Key("atlas_recall", "Atlas: the recall's view"),
+    Key("atlas_sink_block", "Atlas: the block whose sinks are listed"),
+    Key("atlas_csv_", "Atlas: a table's CSV button (the table)", family=True),
+    *(Key(f"{page}_tab", "the tab this page has open", kept=True) for page in TABBED_PAGES),
 )
+KEYS = {key.name: key for key in SCHEMA}
+FAMILIES = tuple(key.name for key in SCHEMA if key.family)
+
+
+def declared(name: str) -> bool:
+    """Whether ``name`` is a key of SCHEMA, or of one of its families."""
+    return name in KEYS or any(name.startswith(prefix) and name != prefix for prefix in FAMILIES)
 
 
 def init() -> None:
-    """Each session key set once; widget values carried across pages."""
-    for key, value in _DEFAULTS.items():
-        if key not in st.session_state:
-            st.session_state[key] = value
-    for key in _KEEP:
-        if key in st.session_state:
-            st.session_state[key] = st.session_state[key]
+    """Each session key with a default set once; widget values carried across pages."""
+    for key in SCHEMA:
+        if key.family:
+            continue
+        if key.default is not _UNSET and key.name not in st.session_state:
+            st.session_state[key.name] = key.default
+        if key.kept and key.name in st.session_state:
+            st.session_state[key.name] = st.session_state[key.name]
 
 
-def session_model() -> OpenModel | None:
+def session_model() -> AppModel | None:
     """The model this session's sidebar names (loaded once per process), or None: a trace file is
     the source, or the checkpoint does not load (the sidebar shows why). For pages that trace."""
     source = st.session_state.get("source", "demo")

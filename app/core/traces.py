@@ -5,33 +5,31 @@ dropped it."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
 import streamlit as st
 
-from model import kernels
 from model.config import ModelArgs
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.interventions import Intervention
-from tracing.chat import encode_chat
+from tracing.analyses.interventions import Intervention, from_spec
 from tracing.errors import InputError
-from tracing.run import check_token_ids, trace_tokens
+from tracing.run import TraceRequest, check_token_ids
 from tracing.sampling import Sampling
 from tracing.sites import site_shapes
 from tracing.tables import BUILDERS
-from tracing.tokenizer import TokenizerError
 from tracing.trace import Trace, TraceError
 
 from . import settings
-from .models import OpenModel
+from .models import AppModel
 
 # recorded besides tracing.sites.DEFAULT_PATTERNS: the cards' plots use them when present
 EXTRA_SITES = (
@@ -101,13 +99,13 @@ class TraceKey:
     @classmethod
     def for_prompt(
         cls,
-        om: OpenModel,
+        om: AppModel,
         prompt: str,
         variant: Hashable = None,
         generation: Generation | None = None,
         chat: Chat | None = None,
     ) -> TraceKey:
-        return cls("model", str(om.path), om.dtype, prompt, variant, generation=generation, chat=chat)
+        return cls("model", om.key, om.dtype, prompt, variant, generation=generation, chat=chat)
 
     @classmethod
     def for_upload(cls, data: bytes) -> TraceKey:
@@ -122,9 +120,9 @@ class TraceKey:
         """The same prompt on the same model, run unchanged (writing the same number of tokens the same way)."""
         return replace(self, variant=None)
 
-    def on(self, om: OpenModel) -> bool:
+    def on(self, om: AppModel) -> bool:
         """Traced on this checkpoint in this dtype."""
-        return self.traced and self.checkpoint == str(om.path) and self.dtype == om.dtype
+        return self.traced and self.checkpoint == om.key and self.dtype == om.dtype
 
     def fingerprint(self) -> str:
         """Eight hex digits that tell this trace's downloads from another's."""
@@ -216,59 +214,91 @@ def record_patterns(args: ModelArgs, n_tokens: int) -> list[str]:
     return [p for p in wanted if p == "default" or any(fnmatch.fnmatchcase(n, p) for n in names)]
 
 
-def token_limit(om: OpenModel) -> int:
+def token_limit(om: AppModel) -> int:
     """The most positions the app traces on this model, prompt and generated tokens together."""
     return min(settings.max_tokens(), om.args.max_seq_len)
 
 
-def chat_refusal(om: OpenModel) -> str | None:
+def chat_refusal(om: AppModel) -> str | None:
     """Why this checkpoint cannot frame a chat turn (its vocabulary lacks the markers), or None."""
-    if om.loaded.tokenizer is None:
-        return "this checkpoint has no tokenizer.json"
-    try:
-        encode_chat(om.loaded.tokenizer, "")
-    except TokenizerError as exc:
-        return str(exc).partition(":")[0]  # "this tokenizer has no <｜User｜> token"
-    return None
+    return om.chat_refusal()
 
 
-def encode(om: OpenModel, prompt: str, chat: Chat | None = None) -> list[int]:
-    """Token ids of the prompt (as a chat turn when ``chat``), or InputError saying what is wrong with it."""
+def request_for(
+    om: AppModel,
+    prompt: str,
+    generation: Generation | None = None,
+    chat: Chat | None = None,
+    interventions: Mapping[str, Any] | None = None,
+    attribution: AttributionRequest | None = None,
+    record: Sequence[str] | None = None,
+    patches: dict | None = None,
+) -> TraceRequest:
+    """The TraceRequest of what a page asks: the prompt as typed (token ids where the checkpoint has
+    no tokenizer), the sidebar's generation and chat framing, a page's interventions, attribution
+    and sites; InputError says what is wrong with the prompt, in the app's words."""
     if not prompt.strip():
         raise InputError("The prompt is empty: type some text, then press Trace.")
-    tokenizer = om.loaded.tokenizer
-    if chat is not None:
-        refusal = chat_refusal(om)
-        if refusal is not None:
-            raise InputError(
-                f"A chat turn needs DeepSeek-V3.2's chat vocabulary, and {refusal}: turn Chat off to trace the text as typed."
-            )
-        ids = encode_chat(tokenizer, prompt, chat.thinking)
-    elif tokenizer is None:
+    if chat is not None and (refusal := om.chat_refusal()) is not None:
+        raise InputError(
+            f"A chat turn needs DeepSeek-V3.2's chat vocabulary, and {refusal}: turn Chat off to trace the text as typed."
+        )
+    token_ids = None
+    if not om.has_tokenizer():
         try:
-            ids = [int(part) for part in prompt.replace(",", " ").split()]
+            token_ids = tuple(int(part) for part in prompt.replace(",", " ").split())
         except ValueError:
             raise InputError("This checkpoint has no tokenizer.json: type token ids, like 0, 17, 42.") from None
-    else:
-        ids = tokenizer.encode(prompt)
+    sampling = generation.sampling if generation is not None else None
+    return TraceRequest(
+        prompt=None if token_ids is not None else prompt,
+        token_ids=token_ids,
+        chat=chat is not None,
+        thinking=chat is not None and chat.thinking,
+        record=tuple(record) if record is not None else ("default",),
+        generate=generation.tokens if generation is not None else 0,
+        temperature=None if sampling is None or sampling.greedy else sampling.temperature,
+        top_p=None if sampling is None or sampling.greedy else sampling.top_p,
+        seed=None if sampling is None or sampling.greedy else sampling.seed,
+        attribute=attribution is not None,
+        position=None if attribution is None else attribution.position,
+        target=None if attribution is None else attribution.target,
+        contrast=None if attribution is None else attribution.contrast,
+        interventions=dict(interventions or {}),
+        patches=patches,
+    )
+
+
+def encode(om: AppModel, prompt: str, chat: Chat | None = None) -> list[int]:
+    """Token ids of the prompt (as a chat turn when ``chat``), or InputError saying what is wrong with it."""
+    return _encoded(om, request_for(om, prompt, chat=chat))
+
+
+def _encoded(om: AppModel, request: TraceRequest) -> list[int]:
     limit = token_limit(om)
+    ids = om.encode(request)
     if len(ids) > limit:
         raise InputError(
             f"The prompt is too long: {len(ids)} tokens, and the app traces at most {limit} "
             f"(model context {om.args.max_seq_len}, app limit {settings.max_tokens()} set by {settings.ENV_MAX_TOKENS}). "
             "Shorten it."
         )
-    check_token_ids(ids, om.loaded.model, limit)
+    if len(ids) + request.generate > limit:
+        raise InputError(
+            f"The prompt's {len(ids)} tokens and {request.generate} new ones make {len(ids) + request.generate}, more than "
+            f"the {limit} the app traces: generate at most {max(0, limit - len(ids))} tokens, or shorten the prompt."
+        )
+    check_token_ids(ids, om.args, limit, request.generate)  # ids in the vocabulary
     return ids
 
 
 def trace_prompt(
-    om: OpenModel,
+    om: AppModel,
     prompt: str,
     on_block: Callable[[int], None] | None = None,
     patches: dict | None = None,
     variant: Hashable = None,
-    interventions: Sequence[Intervention] = (),
+    interventions: Mapping[str, Any] | None = None,
     generation: Generation | None = None,
     attribution: AttributionRequest | None = None,
     record: Sequence[str] | None = None,
@@ -276,54 +306,35 @@ def trace_prompt(
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
-    ``patches`` (site name -> tensor, as ``tracing.run.trace_tokens`` takes them) change the run;
-    ``variant`` names them in the store's key (a run with patches needs one), e.g. a digest of the
-    intervention, so a baseline and its intervened twin are cached side by side. ``interventions``
-    (tracing.analyses.interventions: ablations, no correction bias, another index_topk) are named in the key
-    by :func:`describe_interventions` on their own. ``generation``: the tokens to write after the
-    prompt, through the decode path, with the interventions applied at every step; named in the key
-    too; ``chat`` frames the prompt as a chat turn, also named in the key. ``attribution``
-    (tracing.analyses.attribution) and ``record`` (site patterns instead of the app's usual ones) add an
-    analysis to the run; name them in ``variant``. InputError says what is wrong with any of them.
+    ``patches`` (site name -> tensor) change the run; ``variant`` names them in the store's key (a
+    run with patches needs one), e.g. a digest of the intervention, so a baseline and its
+    intervened twin are cached side by side. ``interventions`` (the spec
+    tracing.analyses.interventions.from_spec reads: ablations, no correction bias, another
+    index_topk) are named in the key by :func:`describe_interventions` on their own.
+    ``generation``: the tokens to write after the prompt, through the decode path, with the
+    interventions applied at every step; named in the key too; ``chat`` frames the prompt as a chat
+    turn, also named in the key. ``attribution`` and ``record`` (site patterns instead of the app's
+    usual ones) add an analysis to the run; name them in ``variant``. InputError says what is wrong
+    with any of them.
     """
     if patches and variant is None:
         raise ValueError("a patched trace needs a variant to tell it from the baseline in the store")
-    interventions = tuple(interventions)
     named = [str(variant)] if variant is not None else []  # for people: the entry's origin
     if interventions:
-        described = describe_interventions(interventions)
-        variant = described if variant is None else (variant, described)
-        named.append("; ".join(described))
+        described = describe_interventions(from_spec(interventions))
+        if described:
+            variant = described if variant is None else (variant, described)
+            named.append("; ".join(described))
     key = TraceKey.for_prompt(om, prompt, variant, generation, chat)
     entry = store().get(key)
     if entry is not None:
         return entry
-    ids = encode(om, prompt, chat)
-    new_tokens = generation.tokens if generation is not None else 0
-    limit = token_limit(om)
-    if len(ids) + new_tokens > limit:
-        raise InputError(
-            f"The prompt's {len(ids)} tokens and {new_tokens} new ones make {len(ids) + new_tokens}, more than the "
-            f"{limit} the app traces: generate at most {max(0, limit - len(ids))} tokens, or shorten the prompt."
-        )
-    tokenizer = om.loaded.tokenizer
+    request = request_for(om, prompt, generation, chat, interventions, attribution, record, patches)
+    ids = _encoded(om, request)
+    if record is None:
+        request = dataclasses.replace(request, record=tuple(record_patterns(om.args, len(ids) + request.generate)))
     started = time.perf_counter()
-    with kernels.serial_passes(settings.threads()):  # this session's thread only (another traces beside it)
-        trace = trace_tokens(
-            om.loaded.model,
-            ids,
-            prompt=prompt,
-            record=list(record) if record is not None else record_patterns(om.args, len(ids) + new_tokens),
-            patches=patches,
-            interventions=interventions,
-            on_block=on_block,
-            extra={"checkpoint": om.loaded.label},
-            max_tokens=limit,
-            token_strings=tokenizer.token_strings if tokenizer is not None else None,
-            generate=new_tokens,
-            sampling=generation.sampling if generation is not None else None,
-            attribution=attribution,
-        )
+    trace = om.trace(request, on_block, max_tokens=token_limit(om))
     if generation is not None:
         named.append(describe_generation(generation))
     if chat is not None:

@@ -14,7 +14,7 @@ import streamlit as st
 
 from app import card_view, widgets
 from app.core.errors import BAD_INPUT
-from app.core.models import OpenModel
+from app.core.models import AppModel
 from app.core.session import View, session_model
 from app.core.traces import Entry, TraceKey, trace_prompt
 from app.pages import PAGES
@@ -94,7 +94,7 @@ def pick(where, label: str, options: list[int], key: str, name, help: str) -> in
     return where.selectbox(label, options, key=key, format_func=name, help=help)
 
 
-def attributed(om: OpenModel, plain: TraceKey, request: AttributionRequest, flow: bool) -> Entry | None:
+def attributed(om: AppModel, plain: TraceKey, request: AttributionRequest, flow: bool) -> Entry | None:
     record = ("default", "flow") if flow else ("default",)
     try:
         with st.spinner("Attributing…"):

@@ -16,7 +16,7 @@ import streamlit as st
 
 from app import comparison, widgets
 from app.core.errors import BAD_INPUT
-from app.core.models import OpenModel
+from app.core.models import AppModel
 from app.core.session import current, session_model
 from app.core.traces import Entry, store, trace_prompt
 from app.topics import experts
@@ -160,7 +160,7 @@ def no_model() -> None:
         )
 
 
-def baseline(om: OpenModel) -> Entry | None:
+def baseline(om: AppModel) -> Entry | None:
     """The plain trace of the prompt the session shows (also when it shows an intervened one), writing
     the same tokens the same way when it generates: the intervened run generates with it."""
     key = st.session_state.get("trace_key")
@@ -325,7 +325,7 @@ def typed(kind: PerBlock, cfg) -> None:
         st.caption(f"Picked: `{kind.flag} {shown}`")
 
 
-def run_now(om: OpenModel, base: Entry, cfg) -> None:
+def run_now(om: AppModel, base: Entry, cfg) -> None:
     try:
         spec = spec_from_widgets(cfg)
         changes = from_spec(spec)
@@ -341,7 +341,7 @@ def run_now(om: OpenModel, base: Entry, cfg) -> None:
             bar.progress(i / cfg.n_layers, text=f"Block {i} ({i + 1} of {cfg.n_layers})…")
 
         try:
-            trace_prompt(om, base.key.prompt, on_block, interventions=changes, generation=base.key.generation, chat=base.key.chat)
+            trace_prompt(om, base.key.prompt, on_block, interventions=spec, generation=base.key.generation, chat=base.key.chat)
         finally:
             bar.empty()
     except BAD_INPUT as exc:
@@ -350,13 +350,11 @@ def run_now(om: OpenModel, base: Entry, cfg) -> None:
     st.session_state[RESULT] = {"base": base.key, "spec": spec}
 
 
-def intervened(om: OpenModel, base: Entry, spec: dict[str, Any]) -> Entry | None:
+def intervened(om: AppModel, base: Entry, spec: dict[str, Any]) -> Entry | None:
     """The last run's trace, from the store, or run again when the store dropped it."""
     try:
         with st.spinner("Running with the interventions…"):
-            return trace_prompt(
-                om, base.key.prompt, interventions=from_spec(spec), generation=base.key.generation, chat=base.key.chat
-            )
+            return trace_prompt(om, base.key.prompt, interventions=spec, generation=base.key.generation, chat=base.key.chat)
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None

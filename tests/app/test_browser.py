@@ -138,10 +138,13 @@ def test_generate_in_the_browser(server):
         page.get_by_text("This trace only reads its prompt").wait_for()
 
         sidebar = page.locator('[data-testid="stSidebar"]')
-        sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
         tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
+        # the count first, committed (Enter) and kept by the rerun it starts; then the prompt, which
+        # the Trace click commits: a rerun started by leaving the prompt could redraw the count typed meanwhile
         tokens.fill("5")
         tokens.press("Enter")
+        sync_api.expect(tokens).to_have_value("5")
+        sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
         page.get_by_role("button", name="Trace", exact=True).click()
         page.locator(".generated-token").first.wait_for()
         page.wait_for_function("() => document.querySelectorAll('.generated-token').length >= 1")

@@ -1,0 +1,43 @@
+"""The session's keys are declared in one schema (app.core.session.SCHEMA): every key the app's code
+names is in it, and every key in it is used."""
+
+import re
+from pathlib import Path
+
+from app.core.session import FAMILIES, SCHEMA, TABBED_PAGES, declared
+from app.topics.interventions import ARRIVING, PER_BLOCK
+
+APP = Path(__file__).resolve().parents[2] / "app"
+# a key as the code names it: session_state[...] / .get(...) / .pop(...) / .setdefault(...), a widget's key=,
+# or a constant the views keep; f-strings give their literal start (a family's prefix)
+USES = re.compile(r"""(?:session_state(?:\[|\.get\(|\.pop\(|\.setdefault\()|\bkey=|^[A-Z_]+ = )\s*(f?)"([^"{]*)""", re.M)
+
+
+def named_keys() -> dict[str, bool]:
+    """Every key literal in app/: name -> whether it is an f-string's start."""
+    found = {}
+    for path in APP.rglob("*.py"):
+        for fstring, name in USES.findall(path.read_text()):
+            # a key is a snake_case name (a constant's text may be anything); anatomy's "all" is a choice
+            if re.fullmatch(r"[a-z][a-z0-9_]*", name) and name != "all":
+                found[name] = found.get(name, False) or bool(fstring)
+    for kind in PER_BLOCK:
+        found.update({kind.prefix: True, kind.block_key: False, kind.text_key: False})
+    found[ARRIVING] = False
+    return found
+
+
+def test_every_key_the_app_names_is_declared():
+    for name, prefix in named_keys().items():
+        if prefix:
+            assert name in FAMILIES or declared(name + "0"), f"key family {name!r}... is not in app.core.session.SCHEMA"
+        else:
+            assert declared(name), f"session key {name!r} is not in app.core.session.SCHEMA"
+
+
+def test_every_declared_key_is_used():
+    names = named_keys()
+    used = set(names) | {f"{page}_tab" for page in TABBED_PAGES}
+    text = "\n".join(path.read_text() for path in APP.rglob("*.py"))
+    for key in SCHEMA:
+        assert key.name in used or f'"{key.name}' in text, f"{key.name!r} is declared but never used"
