@@ -95,8 +95,9 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 def packed(weight: torch.Tensor, copy: torch.Tensor, key) -> torch.Tensor | None:
-    """products.pack of ``copy`` (a bfloat16 form of ``weight``), kept with the weight."""
-    if copy.dtype != torch.bfloat16 or not products.packed_products_agree():
+    """products.pack of ``copy`` (a bfloat16 form of ``weight``), kept with the weight; None for a
+    weight used once (laying it out would cost what it saves)."""
+    if copy.dtype != torch.bfloat16 or not weights.keeps(weight) or not products.packed_products_agree():
         return None
     return weights.kept(weight, ("packed", key), lambda: products.pack(copy))
 
