@@ -1,1 +1,35 @@
-"""Tracing DeepSeek-V3.2-Exp: hook points recorded into a Trace, tidy tables, and the CLI."""
+"""Tracing DeepSeek-V3.2-Exp: hook points recorded into a Trace, tidy tables, and the command line.
+
+    from tracing import TraceRequest, run
+    trace = run(model, TraceRequest(prompt="It is a truth", generate=8), tokenizer)
+
+The core sits here (sites: the registry; tracer: the hooks; trace: the file; run: one request);
+the packages hold the analyses, the corpus atlas, the tables and the command line. Importing this
+package loads nothing else (names load on first use), so an entry point can start torch first
+(tracing.startup).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Trace": "tracing.trace",
+    "TraceError": "tracing.trace",
+    "Tracer": "tracing.tracer",
+    "TraceRequest": "tracing.run",
+    "run": "tracing.run",
+    "trace_tokens": "tracing.run",
+    "InputError": "tracing.errors",
+    "tables": "tracing.tables",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tracing' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    return module if name == "tables" else getattr(module, name)
+
+
+__all__ = sorted(_EXPORTS)
