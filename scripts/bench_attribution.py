@@ -40,7 +40,7 @@ from model.checkpoint import load_model  # noqa: E402
 from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
 from tracing.analyses.attribution import AttributionRequest, removable  # noqa: E402
 from tracing.cli.loading import DEMO  # noqa: E402
-from tracing.run import trace_tokens  # noqa: E402
+from tracing.runner import trace_tokens  # noqa: E402
 
 VARIANTS = {
     "default": {"record": "default"},
@@ -107,6 +107,7 @@ def causal(top: int) -> dict:
     removed alone (--ablate-heads / --zero-experts): its direct part against the change of the
     target logit the removal causes (a part p predicts a change of -p when nothing downstream reacts)."""
     from tests.test_attribution import CAUSAL_PROMPTS
+
     from tracing.analyses.interventions import from_spec
     from tracing.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ decode time is from there to the run's end, over the decode steps (forward calls
 prefill never enters, and no two noisy runs are subtracted. The ways:
 
 * ``ours``        -- the model's own decode loop over its caches (``model(token, start_pos, cache)``);
-* ``ours_traced`` -- ``tracing.run.trace_tokens(generate=N)`` with the default sites (its time
+* ``ours_traced`` -- ``tracing.runner.trace_tokens(generate=N)`` with the default sites (its time
   includes assembling the trace after the last step);
 * ``peer``        -- ``DeepseekV32ForCausalLM.generate(max_new_tokens=N)`` with its KV cache.
 
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from model import kernels  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
-from tracing.run import trace_tokens  # noqa: E402
+from tracing.runner import trace_tokens  # noqa: E402
 
 
 def ours(model, ids: list[int], new: int) -> None:

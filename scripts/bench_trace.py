@@ -60,7 +60,7 @@ from model.checkpoint import load_model  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 from tracing import tables  # noqa: E402
 from tracing.cli.loading import DEMO, open_checkpoint  # noqa: E402
-from tracing.run import trace_tokens  # noqa: E402
+from tracing.runner import trace_tokens  # noqa: E402
 from tracing.sites import DEFAULT_PATTERNS, hook_points  # noqa: E402
 from tracing.tracer import Tracer  # noqa: E402
 

@@ -153,7 +153,7 @@ def test_loads_and_heldout_sample_matches_the_card(demo_model, card):
 def test_indexer_recall_traced_live_on_the_heldout_sample(demo_model):
     """What the app's attention page shows, on text the model never saw: the indexer's top-k holds
     most of the dense attention mass wherever the sparse attention prunes (queries past k)."""
-    from tracing.run import trace_tokens
+    from tracing.runner import trace_tokens
 
     args = demo_model.args
     ids = Tokenizer(DEMO).encode((DEMO / "heldout_sample.txt").read_text())[: args.max_seq_len]

@@ -3,7 +3,7 @@
     from tracing import TraceRequest, run
     trace = run(model, TraceRequest(prompt="It is a truth", generate=8), tokenizer)
 
-The core sits here (sites: the registry; tracer: the hooks; trace: the file; run: one request);
+The core sits here (sites: the registry; tracer: the hooks; trace: the file; runner: one request, run);
 the packages hold the analyses, the corpus atlas, the tables and the command line. Importing this
 package loads nothing else (names load on first use), so an entry point can start torch first
 (tracing.startup).
@@ -17,9 +17,9 @@ _EXPORTS = {
     "Trace": "tracing.trace",
     "TraceError": "tracing.trace",
     "Tracer": "tracing.tracer",
-    "TraceRequest": "tracing.run",
-    "run": "tracing.run",
-    "trace_tokens": "tracing.run",
+    "TraceRequest": "tracing.runner",
+    "run": "tracing.runner",
+    "trace_tokens": "tracing.runner",
     "InputError": "tracing.errors",
     "tables": "tracing.tables",
 }

@@ -29,7 +29,7 @@ from model.config import ModelArgs
 from model.stream import available_memory, model_bytes
 from tracing.chat import encode_chat
 from tracing.cli.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
-from tracing.run import TraceRequest, encode, run
+from tracing.runner import TraceRequest, encode, run
 from tracing.tokenizer import TokenizerError
 from tracing.trace import Trace
 
@@ -70,7 +70,7 @@ class AppModel(ABC):
 
     @abstractmethod
     def trace(self, request: TraceRequest, on_block: Callable[[int], None] | None, max_tokens: int) -> Trace:
-        """``request`` run on this model (tracing.run.run)."""
+        """``request`` run on this model (tracing.runner.run)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from model.config import ModelArgs
 from tracing.analyses.attribution import AttributionRequest
 from tracing.analyses.interventions import Intervention, from_spec
 from tracing.errors import InputError
-from tracing.run import TraceRequest, check_token_ids
+from tracing.runner import TraceRequest, check_token_ids
 from tracing.sampling import Sampling
 from tracing.sites import site_shapes
 from tracing.tables import BUILDERS

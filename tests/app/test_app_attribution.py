@@ -18,7 +18,7 @@ from tests.app.test_app_generation import checked as generation_checked
 from tests.app.test_app_generation import generate
 from tests.app.test_app_interventions import chart_titles
 from tracing.analyses.attribution import AttributionRequest
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 
 PAGE = "views/attribution.py"
 

@@ -19,7 +19,7 @@ from app.core.traces import Entry, describe_interventions, record_patterns, stor
 from app.topics import attribution
 from tracing.analyses.attribution import AttributionRequest
 from tracing.analyses.interventions import AblateExperts, AblateHeads, IndexTopK, NoGateBias, ZeroExperts, from_spec
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 
 APP = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 PAGE = "views/interventions.py"

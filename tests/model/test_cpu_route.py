@@ -10,7 +10,7 @@ import torch
 from model import kernels
 from model.checkpoint import load_model
 from model.kernels import products as ops
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.tokenizer import Tokenizer
 
 DEMO_PROMPT = (

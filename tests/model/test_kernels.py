@@ -268,7 +268,7 @@ def test_a_model_both_ways_gives_the_same_trace(tiny_model):
     """Every recorded value of a prefill, decode steps and an attribution is the same bit for bit
     with the CPU routes and with the plain functions (bfloat16, this CPU's own route)."""
     from tracing.analyses.attribution import AttributionRequest
-    from tracing.run import trace_tokens
+    from tracing.runner import trace_tokens
 
     ids = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3, 19, 400, 11, 76, 5, 17]
     with kernels.cpu_route(True):

@@ -14,7 +14,7 @@ import torch
 from model import kernels
 from model.checkpoint import load_model
 from model.kernels import threads
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 
 IDS = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3, 19, 400, 11, 76, 5, 17]
 pytestmark = pytest.mark.skipif(not threads.runtime().available, reason="the OpenMP runtime is not libgomp")
@@ -127,7 +127,7 @@ def test_importing_the_project_changes_no_setting():
     """``import model, tracing, app`` leaves the environment and torch's thread counts as they were."""
     code = (
         "import os, json, torch; env = dict(os.environ); n = torch.get_num_threads(); "
-        "import model, tracing, app, model.kernels, tracing.cli, tracing.run; "
+        "import model, tracing, app, model.kernels, tracing.cli, tracing.runner; "
         "print(json.dumps({'env': dict(os.environ) == env, 'threads': torch.get_num_threads() == n}))"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

@@ -6,7 +6,7 @@ import torch
 
 from model.checkpoint import load_model
 from tracing.cli.commands import main
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.sampling import Sampling
 from tracing.tables.frames import steps_table, tokens_table
 from tracing.trace import Trace

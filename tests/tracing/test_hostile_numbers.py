@@ -6,7 +6,7 @@ from safetensors.torch import save_file
 
 from model.checkpoint import load_model, save_checkpoint
 from tracing.cli.commands import main
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.trace import Trace
 
 IDS = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3]

@@ -13,7 +13,7 @@ import tracing.tables.frames  # noqa: F401  (imported here, so the timings below
 from model import TINY
 from tracing.cli.commands import main
 from tracing.errors import InputError
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.sites import LOGIT_LENS, estimate_bytes, select
 from tracing.trace import Trace, TraceError
 

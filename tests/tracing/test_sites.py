@@ -7,7 +7,7 @@ import torch
 
 from model import TINY
 from model.checkpoint import build_model
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.sites import REGISTRY, hook_points, index_range, layer_site, markdown_table, site_name, site_shapes, spec
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"

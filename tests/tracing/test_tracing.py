@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from model import TINY
 from model.kernels import topk
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.sites import LOGIT_LENS, estimate_bytes, index_range, select, site_shape, site_shapes
 from tracing.tables import csv_safe, export, tables, to_csv_bytes
 from tracing.trace import Trace, TraceError

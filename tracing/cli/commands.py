@@ -19,7 +19,7 @@ from model.config import ConfigError, ModelArgs
 from model.params import count_params
 
 from ..errors import InputError
-from ..run import TraceRequest
+from ..runner import TraceRequest
 from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
@@ -90,7 +90,7 @@ def request_from_args(args: argparse.Namespace) -> TraceRequest:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..run import run
+    from ..runner import run
     from ..tables import stage_tables, tables
     from .output import Outputs, check_directory, check_file
 

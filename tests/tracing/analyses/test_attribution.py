@@ -16,7 +16,7 @@ from tracing.analyses.attribution import AttributionRequest, expert_lens, remova
 from tracing.analyses.interventions import AblateHeads, IndexTopK, ZeroExperts, from_spec
 from tracing.cli.commands import main
 from tracing.errors import InputError
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.sites import select
 from tracing.tables.frames import ATTRIBUTION_PARTS, attribution_table, expert_lens_table, tables
 from tracing.tokenizer import Tokenizer

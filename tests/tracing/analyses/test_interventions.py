@@ -12,7 +12,7 @@ from tracing.analyses.diff import diff_tables, summary
 from tracing.analyses.interventions import AblateExperts, IndexTopK, NoGateBias, from_spec
 from tracing.cli.commands import main
 from tracing.errors import InputError
-from tracing.run import trace_tokens
+from tracing.runner import trace_tokens
 from tracing.sites import LOGIT_LENS
 
 IDS = [7, 3, 99, 41, 250, 18, 6, 77, 301, 12, 5, 64, 200, 9]  # T=14 > index_topk=8

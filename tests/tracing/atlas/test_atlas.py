@@ -32,7 +32,7 @@ from tracing.atlas.counts import RECALL_BINS, far_pairs, sink_bins  # noqa: E402
 from tracing.atlas.tables import COLUMNS  # noqa: E402
 from tracing.cli.commands import main  # noqa: E402
 from tracing.cli.loading import DEMO, open_checkpoint  # noqa: E402
-from tracing.run import trace_tokens  # noqa: E402
+from tracing.runner import trace_tokens  # noqa: E402
 
 SAMPLE = DEMO / "heldout_sample.txt"
 SEQ_LEN, MAX_TOKENS, MIN_COUNT = 128, 700, 2  # 5 windows of 128 and one of 60: three batches of 4

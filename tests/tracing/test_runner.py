@@ -8,7 +8,7 @@ from tracing.analyses.attribution import AttributionRequest
 from tracing.analyses.interventions import from_spec
 from tracing.cli.commands import build_parser, request_from_args
 from tracing.errors import InputError
-from tracing.run import TraceRequest, run, trace_tokens
+from tracing.runner import TraceRequest, run, trace_tokens
 from tracing.sampling import Sampling
 
 IDS = (5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3)
