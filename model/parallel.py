@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -317,9 +318,11 @@ class Distributed:
     group: Any
 
 
-def init_distributed(device: torch.device | str | None = None) -> Distributed | None:
+def init_distributed(device: torch.device | str | None = None, timeout: timedelta | None = None) -> Distributed | None:
     """Join the process group ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
-    NCCL on CUDA (one GPU per local rank), gloo on CPU. None when not launched with several ranks."""
+    NCCL on CUDA (one GPU per local rank), gloo on CPU. None when not launched with several ranks.
+    ``timeout``: how long a collective waits for a rank (torch's default otherwise): a server sets it
+    short, so that a rank that died ends the others."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
@@ -331,10 +334,18 @@ def init_distributed(device: torch.device | str | None = None) -> Distributed | 
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         if dev.type == "cuda":
-            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev, timeout=timeout)
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     return Distributed(rank, world, local_rank, dev, dist.group.WORLD)
+
+
+def broadcast_int(value: int, group: Any = None) -> int:
+    """Rank 0's ``value`` on every rank (a seed drawn once, shared)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0, group=group)
+    return int(t.item())
 
 
 def gather_heads(value: torch.Tensor, plan: ParallelPlan | None, block: int, group: Any = None) -> torch.Tensor:
@@ -358,6 +369,7 @@ __all__ = [
     "Part",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "broadcast_int",
     "gather_heads",
     "init_distributed",
     "load_parallel",

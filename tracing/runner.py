@@ -222,6 +222,7 @@ def run(
     tokenizer: Tokenizer | None = None,
     *,
     on_block: Callable[[int], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
     extra: dict[str, Any] | None = None,
     max_tokens: int | None = None,
     device: torch.device | str | None = None,
@@ -230,8 +231,14 @@ def run(
 ) -> Trace:
     """Carry out ``request`` on ``model`` (its tokenizer encodes a prompt and names the tokens):
     checked, encoded, its target and contrast resolved, its interventions built, then traced
-    (:func:`trace_tokens`, whose keyword arguments these are)."""
+    (:func:`trace_tokens`, whose keyword arguments these are). Over several ranks (``plan``) a
+    sampled generation without a seed takes rank 0's draw on every rank."""
     request.check()
+    sampling = request.sampling().seeded()
+    if plan is not None and plan.world > 1 and not sampling.greedy and request.seed is None:
+        from model.parallel import broadcast_int
+
+        sampling = dataclasses.replace(sampling, seed=broadcast_int(sampling.seed))
     ids = encode(request, tokenizer)
     attribution = None
     if request.attribute:
@@ -253,8 +260,9 @@ def run(
         plan=plan,
         prefill=request.prefill,
         generate=request.generate,
-        sampling=request.sampling(),
+        sampling=sampling,
         attribution=attribution,
+        on_step=on_step,
     )
 
 
@@ -293,6 +301,7 @@ def trace_tokens(
     generate: int = 0,
     sampling: Sampling | None = None,
     attribution: AttributionRequest | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> Trace:
     """Run ``ids`` through ``model``, recording the chosen sites (default: the default sites, docs/architecture.md).
 
@@ -309,6 +318,11 @@ def trace_tokens(
     show (logit lens, next token), so a trace file reads without the tokenizer. ``context`` is
     entered around the forward after the tracer's hooks (a :class:`model.stream.Streamer`);
     ``plan`` is the tensor-parallel plan when the model is split over ranks.
+
+    ``on_step(step, steps)`` is called before each pass after the prefill (a decode position or a
+    generated token; ``steps`` counts them all, a generation that stops early at its end-of-sequence
+    token runs fewer). ``on_block`` and ``on_step`` may raise to stop the run there (a server's
+    cancellation): the hooks come off, the exception goes on.
 
     ``attribution``: record the direct logit attribution (tracing.analyses.attribution) at its position for
     its target; the resolved position, target and contrast go to ``extra["attribution"]``. With
@@ -338,11 +352,16 @@ def trace_tokens(
             tracer.token_ids = ids  # the tracer reads each position's following token (appended as chosen)
             cache = model.new_cache()
             logits = model(batch[:, :n_prefill], cache=cache)
+            steps = len(ids) - n_prefill + generate
             for pos in range(n_prefill, len(ids)):  # the decode path, one position at a time
+                if on_step is not None:
+                    on_step(pos - n_prefill + 1, steps)
                 tracer.next_pass(pos)
                 logits = model(batch[:, pos : pos + 1], start_pos=pos, cache=cache)
             generator = sampling.generator()
-            for _ in range(generate):
+            for step in range(generate):
+                if on_step is not None:
+                    on_step(n_prompt - n_prefill + step + 1, steps)
                 ids.append(choose(logits[0], sampling, generator))
                 tracer.next_pass(len(ids) - 1)
                 logits = model(torch.tensor([ids[-1:]], device=device), start_pos=len(ids) - 1, cache=cache)

@@ -22,6 +22,7 @@ from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
 from .analyses.interventions import Intervention, Replace
+from .analyses.ranks import Ranks
 from .errors import InputError
 from .sites import (
     LOGIT_LENS_TOPK,
@@ -71,8 +72,6 @@ class Tracer:
         if attribution is not None:
             self.sites = select(self.args, [*self.sites, "attribution"])
         analyses = {analysis(name) for name in self.sites} - {""}
-        if plan is not None and plan.world > 1:
-            refuse_parallel(analyses)
         self._attribution = (attribution or AttributionRequest()) if "attribution" in analyses else None
         self._flow = "flow" in analyses
         self.attributes = self._attribution is not None
@@ -201,12 +200,13 @@ class Tracer:
         # the analyses' hooks come after the interventions': they read the values the model uses
         sources = any(spec(name).suffix == "attn.attribution_src" for name in self.sites)
         reads = HeadReads(self.model, hooks) if sources or self._flow else None
+        ranks = Ranks(self.plan)  # under tensor parallelism the analyses gather the heads and vocabulary they read
         if self._attribution is not None:
             lens = any(".expert_lens." in name for name in self.sites)
             reads_for = reads if sources else None
-            self._attributor = Attributor(self.model, self._attribution, hooks, self._record_attribution, reads_for, lens)
+            self._attributor = Attributor(self.model, self._attribution, hooks, self._record_attribution, reads_for, lens, ranks)
         if self._flow:
-            Flow(self.model, reads, hooks, self._record)
+            Flow(self.model, reads, hooks, self._record, ranks)
 
     def _record(self, values: dict[str, torch.Tensor]) -> None:
         self.values.update((name, value) for name, value in values.items() if name in self.sites)
@@ -292,16 +292,6 @@ class Tracer:
     def _derive(self, target: str, value: torch.Tensor) -> torch.Tensor:
         layer = layer_site(target)[0]
         return spec(target).derive(value, lambda suffix: self._seen[site_name(layer, suffix)])
-
-
-def refuse_parallel(analyses: set[str]) -> None:
-    """The analyses (attribution, flow) read every head's and expert's values in one process: under
-    tensor or expert parallelism a rank holds only its part, so they are refused with one line."""
-    if analyses:
-        raise InputError(
-            f"the {' and the '.join(sorted(analyses))} run in one process: not under torchrun "
-            "(tensor or expert parallelism); trace on one GPU (--stream) instead"
-        )
 
 
 def _to_cpu(value: torch.Tensor, legend: str) -> torch.Tensor:

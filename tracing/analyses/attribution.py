@@ -41,6 +41,7 @@ from model.moe import MoE
 from ..errors import InputError
 from ..sites import LOGIT_LENS_TOPK, next_topk, site_name
 from .heads import HeadReads, wo_columns
+from .ranks import Ranks
 
 Record = Callable[[dict[str, torch.Tensor]], None]
 
@@ -82,8 +83,10 @@ class Attributor:
         record: Record,
         reads: HeadReads | None = None,
         lens: bool = False,
+        ranks: Ranks | None = None,
     ):
         self.model = model
+        self._ranks = ranks or Ranks()
         self.request = request
         self._record = record
         self._reads = reads
@@ -139,8 +142,9 @@ class Attributor:
         x = inputs[0][0, self._row]  # (H Dv,)
         if module.scale is not None:
             x = module.rounded(x[None]).values()[0]
-        columns = wo_columns(module.weight, module.scale, heads)  # (D, H, Dv)
-        self._rows[f"{layer}.heads"] = kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
+        columns = wo_columns(module.weight, module.scale, heads)  # (D, H, Dv): this rank's heads under tensor parallelism
+        vectors = kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
+        self._rows[f"{layer}.heads"] = self._ranks.heads(vectors, layer)  # every head's
         if self._reads is not None:
             stored = (module.weight.detach().clone(), None if module.scale is None else module.scale.detach().clone())
             self._rows[f"{layer}.sources"] = (self._reads.sources(self._row), stored)  # (H, S, Dv), wo
@@ -163,8 +167,10 @@ class Attributor:
     def _finish(self, head, logits: torch.Tensor) -> None:
         request, rows = self.request, self._rows
         target = int(next_topk(logits)[0][0]) if request.target is None else request.target
-        weight = head.dequantized(torch.float32)  # (V, D)
-        direction = weight[target] if request.contrast is None else weight[target] - weight[request.contrast]
+        weight = head.dequantized(torch.float32)  # (V, D): this rank's rows where the vocabulary is split
+        ids = [target] if request.contrast is None else [target, request.contrast]
+        rows_of = self._ranks.vocab_rows(weight, ids)
+        direction = rows_of[0] if request.contrast is None else rows_of[0] - rows_of[1]
         u = direction * rows["scale"]  # (D,): d logit / d stream, the norm's scale frozen
         total = logits[target] - (0 if request.contrast is None else logits[request.contrast])
         values = {"attribution.embed": (rows["embed"] @ u).reshape(1)}
@@ -172,7 +178,7 @@ class Attributor:
             heads = rows[f"{i}.heads"] @ u  # (H,)
             values[site_name(i, "attn.attribution")] = heads
             if f"{i}.sources" in rows:
-                sources = _sources(rows.pop(f"{i}.sources"), u)  # (H, S)
+                sources = self._ranks.heads(_sources(rows.pop(f"{i}.sources"), u), i)  # (H, S)
                 values[site_name(i, "attn.attribution_src")] = sources
                 values[site_name(i, "attn.attribution_src_rest")] = (heads.double() - sources.double().sum(-1)).float()
             if isinstance(block.ffn, MoE):
@@ -181,7 +187,7 @@ class Attributor:
                 parts[slots] = rows[f"{i}.expert_out"] @ u
                 parts[-1] = rows[f"{i}.shared_out"] @ u
                 if self._lens:
-                    ids, changes = lens_tokens(weight, rows[f"{i}.expert_out"] * rows["scale"])  # (k, 2, L)
+                    ids, changes = lens_tokens(weight, rows[f"{i}.expert_out"] * rows["scale"], vocab=self._ranks.vocab)
                     values[site_name(i, "ffn.expert_lens.ids")] = _by_expert(ids, slots, block.ffn.n_routed_experts, -1)
                     values[site_name(i, "ffn.expert_lens.logits")] = _by_expert(changes, slots, block.ffn.n_routed_experts, 0)
             else:
@@ -231,11 +237,14 @@ def frozen_scale(norm: torch.nn.Module, stream: torch.Tensor) -> torch.Tensor:
 
 
 def lens_tokens(
-    head_weight: torch.Tensor, vectors: torch.Tensor, top: int = LOGIT_LENS_TOPK
+    head_weight: torch.Tensor, vectors: torch.Tensor, top: int = LOGIT_LENS_TOPK, vocab=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each vector (k, D), already times the frozen norm scale, promotes (row 0) and
-    suppresses (row 1) most through the head (V, D): ids and logit changes, each (k, 2, top)."""
+    suppresses (row 1) most through the head (V, D): ids and logit changes, each (k, 2, top).
+    ``vocab`` makes the whole vocabulary's logits of this rank's (Ranks.vocab)."""
     logits = kernels.matmul(vectors.float(), head_weight.T)  # (k, V)
+    if vocab is not None:
+        logits = vocab(logits)
     up, down = logits.topk(top, dim=-1), logits.topk(top, dim=-1, largest=False)
     return torch.stack([up.indices, down.indices], dim=1), torch.stack([up.values, down.values], dim=1)
 

@@ -41,6 +41,7 @@ from model.moe import MoE
 
 from ..sites import site_name
 from .heads import HeadReads, wo_columns
+from .ranks import Ranks
 
 BUDGET = 4 * 2**20  # bytes of the keys' vectors A[t, s] formed at once: cache-sized (more is slower)
 THROUGH_BUDGET = 64 * 2**20  # bytes of keys' values through wo at once (wo is read once per such block)
@@ -66,6 +67,7 @@ def attention_flow(
     selected: torch.Tensor,
     budget: int = BUDGET,
     through_budget: int = THROUGH_BUDGET,
+    heads_sum=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shares of each query's stream after the attention (``after``, T x D) that each key brought,
     all heads together (T, S), and that its own stream ``before`` kept (T,).
@@ -73,7 +75,9 @@ def attention_flow(
     probs (T, H, S), values (S, H, Dv), columns: wo's dequantised weight per head (D, H, Dv);
     selected (T, S) bool: the keys each query's heads read (the others are no part). Keys go
     through wo a block at a time (``through_budget`` bytes: wo is read once per block), and
-    their vectors A[t, s] are formed a few keys at a time (``budget`` bytes, cache-sized)."""
+    their vectors A[t, s] are formed a few keys at a time (``budget`` bytes, cache-sized).
+    ``heads_sum`` adds the other ranks' heads into a block of A[t, s] (tensor parallelism: each
+    rank holds some heads)."""
     n_queries, n_heads, n_keys = probs.shape
     dim = columns.shape[0]
     norm = after.abs().sum(-1)  # (T,)
@@ -85,6 +89,8 @@ def attention_flow(
         for c in range(a, min(n_keys, a + block), step):
             d = min(n_keys, a + block, c + step)
             brought = kernels.matmul(probs[:, :, c:d].permute(2, 0, 1), through[c - a : d - a])  # (s, T, D): A[t, s], all heads
+            if heads_sum is not None:
+                brought = heads_sum(brought)
             near[c:d] = (norm - brought.sub_(after).abs_().sum(-1)).clamp_(min=0)  # proximity, in place
     near = near.T.masked_fill(~selected, 0.0)
     return _normalised(near, proximity(before, after))
@@ -100,8 +106,11 @@ class Flow:
     """Forward hooks that compute the contribution graph block by block, while the block's weights
     are present (also when streamed); ``record`` receives each block's sites by name."""
 
-    def __init__(self, model: torch.nn.Module, reads: HeadReads, hooks: Hooks, record: Callable[[dict], None]):
+    def __init__(
+        self, model: torch.nn.Module, reads: HeadReads, hooks: Hooks, record: Callable[[dict], None], ranks: Ranks | None = None
+    ):
         self.model = model
+        self._ranks = ranks or Ranks()
         self._reads = reads
         self._record = record
         self._kept: dict[str, torch.Tensor] = {}
@@ -132,7 +141,15 @@ class Flow:
         attn, reads = self.model.layers[layer].attn, self._reads
         columns = wo_columns(attn.wo.weight, attn.wo.scale, attn.n_heads)  # (D, H, Dv)
         selected = selected_keys(self._kept.pop("topk"), reads.probs.shape[-1])
-        shares, kept = attention_flow(reads.probs, reads.values(), columns, self._kept.pop("resid_pre"), after, selected)
+        shares, kept = attention_flow(
+            reads.probs,
+            reads.values(),
+            columns,
+            self._kept.pop("resid_pre"),
+            after,
+            selected,
+            heads_sum=lambda part: self._ranks.heads_sum(part, layer),
+        )
         self._kept["resid_mid"] = after
         self._record({site_name(layer, "attn.flow"): shares.cpu(), site_name(layer, "attn.flow_resid"): kept.cpu()})
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from model.checkpoint import save_checkpoint
+from model.synthetic import SyntheticSource
 from tests.devcheckpoint import train_tokenizer
 from tracing.cli.commands import main
 from tracing.trace import Trace
@@ -199,11 +201,32 @@ def test_streaming_gives_the_same_trace_file(capsys, tiny_checkpoint, tmp_path):
     assert Trace.load(decoded).extra["prefill"] == 5 and Trace.load(decoded).extra["generation"]["generated"] == 2
 
 
-@pytest.mark.parametrize("more", [[], ["--prefill", "6", "--generate", "3"]], ids=["prefill", "decode and generate"])
-def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_path, more):
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory):
+    """A tiny checkpoint whose every layer splits over 2 ranks (heads, MLPs, experts, vocabulary)."""
+    from tests.model.test_parallel import TP_TINY
+
+    source = SyntheticSource(TP_TINY, seed=4)
+    directory = tmp_path_factory.mktemp("split") / "tp"
+    return save_checkpoint({n: source.load(n) for n in source.specs()}, TP_TINY, directory)
+
+
+ANALYSES = ["--attribute", "--record", "default,flow,layers.*.attn.attribution_src"]
+
+
+@pytest.mark.parametrize(
+    "more, split",
+    [([], False), (["--prefill", "6", "--generate", "3"], False), (ANALYSES, True), ([*ANALYSES, "--prefill", "8"], True)],
+    ids=["prefill", "decode and generate", "attribution and flow, heads split", "attribution, decode path, heads split"],
+)
+def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, split_checkpoint, tmp_path, more, split):
+    """Two ranks (gloo) write the one-process trace: the default sites bit for bit; the attribution,
+    its sources and the contribution graph (the heads and the vocabulary gathered over the ranks)
+    within float32 summation order."""
+    checkpoint = split_checkpoint if split else tiny_checkpoint
     ids = "1,2,3,4,5,6,7,8,9,10,11,12"
     single, pair = tmp_path / "single.safetensors", tmp_path / "pair.safetensors"
-    assert main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", ids, "--out", str(single), *more]) == 0
+    assert main(["run", "--checkpoint", str(checkpoint), "--token-ids", ids, "--out", str(single), *more]) == 0
     import socket
 
     with socket.socket() as s:
@@ -225,7 +248,7 @@ def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_pat
             "tracing",
             "run",
             "--checkpoint",
-            str(tiny_checkpoint),
+            str(checkpoint),
             "--token-ids",
             ids,
             "--out",
@@ -240,7 +263,13 @@ def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = Trace.load(single), Trace.load(pair)
     assert set(a.tensors) == set(b.tensors)
+    if split:
+        assert a.extra["attribution"] == b.extra["attribution"]
+        assert any(".attn.flow" in name for name in a.tensors) and any("attribution_src" in name for name in a.tensors)
     for name in a.tensors:
+        if split and a[name].is_floating_point():  # split heads: partial sums meet in another float32 order
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, equal_nan=True)
+            continue
         if more and a[name].is_floating_point():
             # one position at a time, the row-parallel partial sums meet in another float32 order than
             # in one process: values agree to the last bits, selections and generated tokens exactly
