@@ -14,12 +14,12 @@ from tracing.sampling import Sampling
 
 from .core import settings
 from .core.errors import BAD_INPUT
-from .core.models import AppModel, open_model
+from .core.models import AppModel, open_by_key, open_model, open_server
 from .core.session import SOURCES, current_entry
 from .core.traces import Chat, Generation, TraceKey, chat_refusal, open_upload, store, token_limit, trace_prompt
 from .widgets import escape_md
 
-SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "upload": "Trace file"}
+SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "server": "Model server", "upload": "Trace file"}
 
 
 def _source_label(value: str) -> str:
@@ -44,6 +44,8 @@ def render(notices) -> None:
         om = None
         if source in ("demo", "dir"):
             om = _model_source(source, notices)
+        elif source == "server":
+            om = _server_source(notices)
         else:
             _upload_source(notices)
 
@@ -60,14 +62,15 @@ def render(notices) -> None:
             )
             _chat_control(om)
             _generate_control(om)
-            with st.expander("Run options"):
-                st.radio(
-                    "Activation dtype",
-                    settings.DTYPES,
-                    key="dtype",
-                    horizontal=True,
-                    help="bfloat16 as the reference; float32 shows the same computation without its rounding",
-                )
+            if source != "server":  # a server's model runs as it was started
+                with st.expander("Run options"):
+                    st.radio(
+                        "Activation dtype",
+                        settings.DTYPES,
+                        key="dtype",
+                        horizontal=True,
+                        help="bfloat16 as the reference; float32 shows the same computation without its rounding",
+                    )
             run = st.button("Trace", type="primary", disabled=om is None, width="stretch", key="run")
             if om is not None:
                 _trace(om, run, notices)
@@ -96,6 +99,35 @@ def _model_source(source: str, notices):
     except BAD_INPUT as exc:
         notices.error(f"**Checkpoint not loaded.** {escape_md(str(exc))}", icon=":material/error:")
         return None
+    return _described(om)
+
+
+def _server_source(notices):
+    """A model server (python -m tracing serve): its URL, its model and ranks."""
+    locked = settings.checkpoint_roots() is not None  # a shared deployment reaches only the server it names
+    if locked:
+        st.session_state["server_url"] = settings.server_url()
+    value = st.text_input(
+        "Model server",
+        key="server_url",
+        placeholder="http://127.0.0.1:8600",
+        disabled=locked,
+        help="The URL `python -m tracing serve` prints (ANATOMY_SERVER sets the default; ANATOMY_SERVER_TOKEN_FILE "
+        "its token). The model stays loaded there, over the ranks of a node if torchrun started it.",
+    )
+    if not value.strip():
+        st.caption("Type the URL of a model server and press Enter.")
+        return None
+    try:
+        om = open_server(value)
+    except BAD_INPUT as exc:
+        notices.error(f"**Model server not reached.** {escape_md(str(exc))}", icon=":material/error:")
+        return None
+    return _described(om)
+
+
+def _described(om):
+    """Say which model the sidebar holds, and how it computes, under its source."""
     first, *rest = om.describe()
     lines = [escape_md(first), *(f":material/memory: {escape_md(line)}" for line in rest)]
     lines += [f":material/info: {escape_md(note)}" for note in om.notes]
@@ -247,7 +279,7 @@ def _ensure_current(om: AppModel | None, notices) -> None:
             return
     if key.traced:
         try:
-            model = om if om is not None and key.on(om) else open_model(key.checkpoint, key.dtype)
+            model = om if om is not None and key.on(om) else open_by_key(key.checkpoint, key.dtype)
             trace_prompt(model, key.prompt, generation=key.generation, chat=key.chat)
             return
         except BAD_INPUT as exc:

@@ -29,6 +29,8 @@ from model.config import ModelArgs
 from model.stream import available_memory, model_bytes
 from tracing.chat import encode_chat
 from tracing.cli.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
+from tracing.client import Client, read_token_file
+from tracing.errors import InputError
 from tracing.runner import TraceRequest, encode, run
 from tracing.tokenizer import TokenizerError
 from tracing.trace import Trace
@@ -71,6 +73,61 @@ class AppModel(ABC):
     @abstractmethod
     def trace(self, request: TraceRequest, on_block: Callable[[int], None] | None, max_tokens: int) -> Trace:
         """``request`` run on this model (tracing.runner.run)."""
+
+
+@dataclass
+class RemoteModel(AppModel):
+    """A model a server holds (``python -m tracing serve``, maybe over the ranks of a node): the
+    pages see it as they see a local one; each trace is a request to the server."""
+
+    client: Client
+    facts: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return self.client.url
+
+    @property
+    def label(self) -> str:
+        return f"{self.facts['model']} on the server"
+
+    @property
+    def dtype(self) -> str:
+        return self.facts["dtype"]
+
+    @property
+    def args(self) -> ModelArgs:
+        return ModelArgs.from_json(self.facts["config"])
+
+    def describe(self) -> list[str]:
+        a, f = self.args, self.facts
+        ranks = f"{f['ranks']} ranks" if f["ranks"] > 1 else "1 process"
+        try:
+            health = self.client.health()
+            load = f"queue {health['queue']}, {'busy' if health['running'] else 'idle'}"
+        except InputError:
+            load = "not answering now"
+        return [
+            f"{f['model']}: {a.n_layers} blocks, d = {a.dim}, {a.n_routed_experts} experts, vocabulary {a.vocab_size:,}",
+            f"model server {self.client.url}: {ranks} on {f['device']}, {f['dtype']}; {load}",
+        ]
+
+    def has_tokenizer(self) -> bool:
+        return bool(self.facts["tokenizer"])
+
+    def chat_refusal(self) -> str | None:
+        return self.facts["chat_refusal"]
+
+    def encode(self, request: TraceRequest) -> list[int]:
+        return self.client.encode(request.check())
+
+    def trace(self, request: TraceRequest, on_block: Callable[[int], None] | None, max_tokens: int) -> Trace:
+        def progress(event: dict) -> None:  # raising here (the app's Stop) closes the connection: the server stops
+            if on_block is not None and "progress" in event:
+                on_block(event["progress"]["block"] - 1)
+
+        return self.client.trace(request, on_progress=progress)
 
 
 @dataclass
@@ -254,3 +311,30 @@ def _open_checked(value: str, dtype: str) -> AppModel:
     except (OSError, RuntimeError, ValueError) as exc:
         failures[key] = f"{path}: could not be loaded ({exc})"
         raise CheckpointError(failures[key]) from None
+
+
+@st.cache_resource(max_entries=4, show_spinner="Connecting to the model server…")
+def _open_server(url: str, token_file: str | None) -> RemoteModel:
+    client = Client(url, read_token_file(token_file), timeout=5.0)
+    facts = client.info()
+    limits = facts.get("limits", {})
+    notes = [f"the server takes prompts of up to {limits['max_prompt_tokens']} tokens"] if limits else []
+    return RemoteModel(client, facts, notes)
+
+
+def open_server(url: str) -> AppModel:
+    """The model of the server at ``url`` (its token from ANATOMY_SERVER_TOKEN_FILE); InputError
+    says why not. A shared deployment (ANATOMY_CHECKPOINT_ROOTS) reaches only ANATOMY_SERVER: a URL
+    typed by a visitor would make the app fetch from anywhere."""
+    url = url.strip()
+    if not url:
+        raise InputError("enter the model server's URL (python -m tracing serve prints it)")
+    if settings.checkpoint_roots() is not None and url.rstrip("/") != settings.server_url().rstrip("/"):
+        log.warning("model server %r refused: not ANATOMY_SERVER", url)
+        raise InputError("only the model server this deployment names (ANATOMY_SERVER) can be used here")
+    return _open_server(url.rstrip("/"), settings.server_token_file())  # a server that fails is asked again next time
+
+
+def open_by_key(key: str, dtype: str) -> AppModel:
+    """The model a TraceKey names (a server's URL, or a checkpoint directory)."""
+    return open_server(key) if key.startswith(("http://", "https://")) else open_model(key, dtype)

@@ -15,11 +15,12 @@ from tracing.trace import Trace
 
 from . import settings
 from .errors import BAD_INPUT
-from .models import AppModel, open_model
+from .models import AppModel, open_model, open_server
 from .traces import Entry, store
 
-SOURCES = ("demo", "dir", "upload")
+SOURCES = ("demo", "dir", "server", "upload")
 TABBED_PAGES = ("model_map", "residual", "attention", "router", "generation")
+CARDED_PAGES = ("residual", "attention", "router", "generation", "attribution")
 _UNSET = object()
 
 
@@ -41,8 +42,9 @@ class Key:
 # this table lacks.
 SCHEMA: tuple[Key, ...] = (
     # the sidebar: source, model, prompt, run settings
-    Key("source", "the model source: demo, dir (a checkpoint directory) or upload (a trace file)", "demo"),
+    Key("source", "the model source: demo, dir (a checkpoint directory), server (a model server) or upload", _UNSET),
     Key("ckpt_dir", "the checkpoint directory typed", "", kept=True),
+    Key("server_url", "the model server's URL (default ANATOMY_SERVER)", _UNSET, kept=True),
     Key("upload", "the uploaded trace file (the uploader's value)"),
     Key("dtype", "the activation dtype, bfloat16 or float32", "bfloat16", kept=True),
     Key("prompt", "the prompt", settings.DEFAULT_PROMPT, kept=True),
@@ -78,11 +80,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("iv_arriving", "Interventions: a removal another page asked for, run on arrival"),
     Key("iv_run", "Interventions: the Run button"),
     Key("iv_clear", "Interventions: the Clear button"),
-    Key("iv_only_changed", "Interventions: show only what changed"),
-    Key("iv_no_bias", "Interventions: route without the correction bias"),
-    Key("iv_no_bias_blocks", "Interventions: ... in these blocks"),
-    Key("iv_attention", "Interventions: the attention (sparse, dense, another top-k)"),
-    Key("iv_topk", "Interventions: the other index_topk"),
+    Key("iv_only_changed", "Interventions: show only what changed", kept=True),
+    Key("iv_no_bias", "Interventions: route without the correction bias", kept=True),
+    Key("iv_no_bias_blocks", "Interventions: ... in these blocks", kept=True),
+    Key("iv_attention", "Interventions: the attention (sparse, dense, another top-k)", kept=True),
+    Key("iv_topk", "Interventions: the other index_topk", kept=True),
     Key("iv_load_block", "Interventions: the block whose expert load is shown"),
     Key("iv_add_busiest_", "Interventions: add the busiest experts (per kind)", family=True),
     Key("iv_experts_", "Interventions: experts ablated in a block", family=True),
@@ -94,7 +96,18 @@ SCHEMA: tuple[Key, ...] = (
     Key("iv_heads_", "Interventions: heads ablated in a block", family=True),
     Key("iv_head_block", "Interventions: the block whose heads are being ablated"),
     Key("iv_head_text", "Interventions: heads to ablate, typed"),
+    Key("iv_show", "Interventions: show the intervened trace in the other pages"),
+    Key("iv_show_base", "Interventions: show the baseline again"),
+    Key("iv_dl_trace", "Interventions: the intervened trace's download"),
+    Key("iv_dl_zip", "Interventions: the comparison tables' download"),
     Key("export_preview", "Export: the table previewed"),
+    Key("dl_trace", "Export: the trace file's download"),
+    Key("dl_zip", "Export: every table's download"),
+    Key("dl_csv_", "Export: a table's CSV download (the table)", family=True),
+    Key("dl_parquet_", "Export: a table's Parquet download (the table)", family=True),
+    Key("attr_csv", "Attribution: the parts' CSV download"),
+    Key("generation_steps_table", "Generation: every step as a table (the expander)"),
+    *(Key(f"{page}_cards", "the page's component cards (the expander)") for page in CARDED_PAGES),
     Key("atlas_source", "Atlas: bundled, a directory or an upload"),
     Key("atlas_dir", "Atlas: the directory typed"),
     Key("atlas_upload", "Atlas: the uploaded zip"),
@@ -125,6 +138,8 @@ def declared(name: str) -> bool:
 
 def init() -> None:
     """Each session key with a default set once; widget values carried across pages."""
+    st.session_state.setdefault("source", settings.default_source())
+    st.session_state.setdefault("server_url", settings.server_url())
     for key in SCHEMA:
         if key.family:
             continue
@@ -140,8 +155,10 @@ def session_model() -> AppModel | None:
     source = st.session_state.get("source", "demo")
     if source == "upload":
         return None
-    value = settings.default_checkpoint() if source == "demo" else st.session_state.get("ckpt_dir", "")
     try:
+        if source == "server":
+            return open_server(st.session_state.get("server_url", ""))
+        value = settings.default_checkpoint() if source == "demo" else st.session_state.get("ckpt_dir", "")
         return open_model(value, st.session_state.get("dtype", "bfloat16"))
     except BAD_INPUT:
         return None

@@ -19,6 +19,8 @@ ENV_THREADS = "ANATOMY_THREADS"  # CPU threads for a trace's large products (def
 # one); unset: any directory, as suits one person on their own machine
 ENV_CHECKPOINT_ROOTS = "ANATOMY_CHECKPOINT_ROOTS"
 ENV_MAX_UPLOAD_MB = "ANATOMY_MAX_UPLOAD_MB"  # the largest trace file the app reads (default: server.maxUploadSize)
+ENV_SERVER = "ANATOMY_SERVER"  # a model server's URL (python -m tracing serve): the sidebar's "Model server" source
+ENV_SERVER_TOKEN_FILE = "ANATOMY_SERVER_TOKEN_FILE"  # the file holding that server's bearer token
 MAX_TOKENS = 512
 # longer than the demo's index_topk, so the sparse attention visibly prunes (90 tokens on the demo)
 DEFAULT_PROMPT = (
@@ -32,6 +34,20 @@ DTYPES = ("bfloat16", "float32")
 
 def default_checkpoint() -> str:
     return os.environ.get(ENV_CHECKPOINT, "").strip() or "demo"
+
+
+def server_url() -> str:
+    """ANATOMY_SERVER, or "" when no server is named."""
+    return os.environ.get(ENV_SERVER, "").strip()
+
+
+def server_token_file() -> str | None:
+    return os.environ.get(ENV_SERVER_TOKEN_FILE, "").strip() or None
+
+
+def default_source() -> str:
+    """The sidebar's first source: the model server when one is named, else the bundled demo."""
+    return "server" if server_url() else "demo"
 
 
 def named_roots() -> list[str]:

@@ -24,8 +24,6 @@ from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, ZERO, P
 from tracing.analyses.interventions import from_spec
 
 ATTENTION = ("model", "dense", "topk")
-# widget values kept while the page is not drawn (another page, another block's list); + each PerBlock's keys
-_KEEP = ("iv_no_bias", "iv_no_bias_blocks", "iv_attention", "iv_topk", "iv_only_changed")
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
 
 
@@ -60,9 +58,8 @@ def _clear() -> None:
 
 
 def _keep(cfg) -> None:
-    """Carry the widgets' values across pages and block switches, dropping values this config lacks."""
-    for key in [k for k in st.session_state if k in _KEEP]:
-        st.session_state[key] = st.session_state[key]
+    """Carry the per-block picks across block switches (the page's other widgets are kept by the
+    session's schema), dropping values this config lacks."""
     for kind in PER_BLOCK:
         _keep_picks(kind, cfg)
     blocks = moe_block_ids(cfg)

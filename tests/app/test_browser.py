@@ -38,12 +38,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    checkpoint = demo_or_dev_checkpoint(tmp_path_factory.mktemp("browser"))
+@contextlib.contextmanager
+def streamlit_app(tmp_path_factory, **env_vars):
+    """``streamlit run app/main.py`` on a free port with these environment settings, once its health answers."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "streamlit.log"
-    env = {**os.environ, "ANATOMY_CHECKPOINT": checkpoint, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
     command = [
         sys.executable,
         "-m",
@@ -78,6 +78,13 @@ def server(tmp_path_factory):
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    checkpoint = demo_or_dev_checkpoint(tmp_path_factory.mktemp("browser"))
+    with streamlit_app(tmp_path_factory, ANATOMY_CHECKPOINT=checkpoint) as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -254,3 +261,24 @@ def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch):
         finally:
             browser.close()
     assert not grown, grown
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
+    """With ANATOMY_SERVER set the app opens on the model server: the sidebar names it, and a prompt
+    traced there draws its plots."""
+    from tests.tracing.test_server import start, stop
+
+    checkpoint = demo_or_dev_checkpoint(tmp_path_factory.mktemp("browser-server"))
+    model_server, url = start(["--checkpoint", checkpoint])
+    try:
+        with streamlit_app(tmp_path_factory, ANATOMY_SERVER=url) as app_url, open_page(app_url) as page:
+            page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on the server
+            sidebar = page.locator('[data-testid="stSidebar"]')
+            sidebar.get_by_text(f"model server {url}", exact=False).wait_for()
+            sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
+            page.get_by_role("button", name="Trace", exact=True).click()
+            page.get_by_text(f"“{PROMPT}”").wait_for()
+            page.locator(".js-plotly-plot").first.wait_for()
+    finally:
+        stop(model_server)

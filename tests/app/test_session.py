@@ -4,7 +4,7 @@ names is in it, and every key in it is used."""
 import re
 from pathlib import Path
 
-from app.core.session import FAMILIES, SCHEMA, TABBED_PAGES, declared
+from app.core.session import CARDED_PAGES, FAMILIES, SCHEMA, TABBED_PAGES, declared
 from app.topics.interventions import ARRIVING, PER_BLOCK
 
 APP = Path(__file__).resolve().parents[2] / "app"
@@ -37,7 +37,27 @@ def test_every_key_the_app_names_is_declared():
 
 def test_every_declared_key_is_used():
     names = named_keys()
-    used = set(names) | {f"{page}_tab" for page in TABBED_PAGES}
+    used = set(names) | {f"{page}_tab" for page in TABBED_PAGES} | {f"{page}_cards" for page in CARDED_PAGES}
     text = "\n".join(path.read_text() for path in APP.rglob("*.py"))
     for key in SCHEMA:
         assert key.name in used or f'"{key.name}' in text, f"{key.name!r} is declared but never used"
+
+
+def test_every_key_a_visit_of_every_page_leaves_is_declared(app_checkpoint, monkeypatch):
+    """At run time too: a key the app sets by any route (a widget's positional key, a callback) is
+    declared."""
+    from streamlit.testing.v1 import AppTest
+
+    from app import pages
+    from app.core import settings
+    from tests.app.test_app import APP, TIMEOUT
+
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    seen = set()
+    for page in pages.PAGES:
+        at = at.switch_page(page.path).run()
+        assert not at.exception, [e.value for e in at.exception]
+        seen |= set(at.session_state._state._state.filtered_state)
+    undeclared = sorted(key for key in seen if not declared(key))
+    assert not undeclared, f"session keys not in app.core.session.SCHEMA: {undeclared}"

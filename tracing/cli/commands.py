@@ -23,6 +23,7 @@ from ..runner import TraceRequest
 from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
+from . import serve
 from .loading import (
     add_device_options,
     add_source_options,
@@ -98,11 +99,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     if args.csv:
         check_directory(args.csv)
+    if args.server is not None:
+        return _run_on_server(args, request)
+    if args.token_file is not None:
+        raise InputError("--token-file applies to --server")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # before the ranks load their parts (the tracer checks again)
-        from ..tracer import refuse_parallel
-
-        refuse_parallel(request.analyses)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports and writes
     draw = rank0 and sys.stderr.isatty()  # a progress bar redrawn in place is for a terminal, not a log
     if args.synthetic and args.prompt is not None:
@@ -130,6 +131,43 @@ def cmd_run(args: argparse.Namespace) -> int:
             out.file(args.out, trace.to_bytes())
             if args.csv:
                 stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
+    return 0
+
+
+def _run_on_server(args: argparse.Namespace, request: TraceRequest) -> int:
+    """``run --server``: the server runs the request; the same outputs are written here."""
+    from ..client import Client, read_token_file
+    from ..tables import stage_tables, tables
+    from .output import Outputs
+
+    local = [flag for flag, given in (("--stream", args.stream), ("--n-layers", args.n_layers is not None)) if given]
+    if args.device != "cpu" or args.dtype != "bfloat16":
+        local.append("--device/--dtype")
+    if local:
+        raise InputError(f"{', '.join(local)}: the server's model runs as it was started (python -m tracing serve ...)")
+    draw = sys.stderr.isatty()
+    progress = ProgressBar(1, enabled=draw)
+
+    def show(event: dict) -> None:
+        if "queued" in event and draw:
+            sys.stderr.write(f"\rwaiting for the server: place {event['queued']} in its queue")
+        elif "progress" in event:
+            p = event["progress"]
+            step = f" step {p['step']}/{p['steps']}" if p["steps"] else ""
+            progress.total = p["blocks"]
+            progress.update(p["block"], f"block{step}")
+
+    with Client(args.server, read_token_file(args.token_file)) as client:
+        data = client.trace_bytes(request, show)
+    progress.close()
+    trace = Trace.from_bytes(data, args.server)
+    if bad := trace.extra.get("nonfinite"):
+        at = "" if bad["position"] is None else f" at position {bad['position']}"
+        print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
+    with Outputs() as out:  # the server's bytes as they came: the file run writes in one process
+        out.file(args.out, data)
+        if args.csv:
+            stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
     return 0
 
 
@@ -219,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="trace one prompt into a .safetensors trace file")
-    add_source_options(run, "synthetic weights of this config (no download)")
+    add_source_options(run, "synthetic weights of this config (no download)", server=True)
     inp = run.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
     inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -293,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     atlas_cli.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

@@ -41,12 +41,15 @@ def add_device_options(parser) -> None:
     )
 
 
-def add_source_options(parser, synthetic_help: str) -> None:
-    """--checkpoint DIR | --synthetic CONFIG [--n-layers N]: the model a command runs."""
+def add_source_options(parser, synthetic_help: str, server: bool = False) -> None:
+    """--checkpoint DIR | --synthetic CONFIG [--n-layers N] (| --server URL [--token-file F]): the model a command runs."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
     src.add_argument("--synthetic", metavar="CONFIG", help=synthetic_help)
     parser.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+    if server:
+        src.add_argument("--server", metavar="URL", help="a model server (python -m tracing serve) runs it instead")
+        parser.add_argument("--token-file", help="with --server: the file holding its bearer token")
 
 
 def open_from_args(args, device, dtype, progress=None, split: bool = True) -> Loaded:

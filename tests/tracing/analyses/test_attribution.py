@@ -349,33 +349,6 @@ def test_a_model_of_dense_blocks_only(tiny_source):
     assert sorted(attribution_table(trace)["kind"].unique()) == ["embed", "head", "mlp", "rest", "source", "source_rest"]
 
 
-def test_torchrun_is_refused_with_one_line(tiny_model, tmp_path, capsys, monkeypatch):
-    """Under tensor or expert parallelism a rank holds only its heads and experts: the analyses are
-    refused, on the command line before any rank loads its part (here: a checkpoint that is not there)."""
-    from model.parallel import ParallelPlan
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    out = tmp_path / "t.safetensors"
-    base = ("run", "--checkpoint", str(tmp_path / "absent"), "--token-ids", "1,2,3", "--out", str(out))
-    for flags, what in ((("--attribute",), "the attribution"), (("--record", "default,flow"), "the flow")):
-        code, err = _run(capsys, *base, *flags)
-        assert code == 2 and err.strip().splitlines() == [
-            f"error: {what} run in one process: not under torchrun "
-            "(tensor or expert parallelism); trace on one GPU (--stream) instead"
-        ]
-    monkeypatch.delenv("WORLD_SIZE")
-
-    plan = ParallelPlan(rank=0, world=2)
-    for record, attribution, what in (
-        ("default", AttributionRequest(), "the attribution"),
-        ("default,flow", None, "the flow"),
-        ("default,flow", AttributionRequest(), "the attribution and the flow"),
-    ):
-        with pytest.raises(InputError, match=f"^{what} run in one process: not under torchrun"):
-            trace_tokens(tiny_model, IDS, record=record, attribution=attribution, plan=plan)
-
-
-@needs_demo
 def test_the_command_line_encodes_a_text_target(tmp_path, capsys):
     out = tmp_path / "t.safetensors"
     base = ("run", "--checkpoint", str(DEMO), "--prompt", "The capital of France is", "--out", str(out), "--attribute")

@@ -1,0 +1,269 @@
+"""The model server (python -m tracing serve): one load, many requests; the trace a request gets is
+the file ``tracing run`` writes; bad requests get one line and the server goes on; a client that goes
+away ends its request; a rank that dies ends the server.
+
+The HTTP side runs in this process against a loaded model (Starlette's TestClient, the worker loop on
+a thread); the command line's server runs as a process, one rank and two (torchrun, gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from tracing.cli.commands import main
+from tracing.cli.loading import open_checkpoint
+from tracing.runner import TraceRequest, run
+from tracing.server.http import State, make_app
+from tracing.server.wire import Limits, encode_request, read_answer
+from tracing.server.worker import Model, Queue, lead
+from tracing.trace import Trace
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "It is a truth universally acknowledged, that a single man"
+TOKEN = "a-token-of-sixteen-or-more"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the HTTP side in this process ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(app_checkpoint):
+    """The app of tracing.server.http over the dev/demo checkpoint, its worker loop on a thread."""
+    loaded = open_checkpoint(app_checkpoint)
+    state = State(Limits(max_prompt_tokens=64, max_generate=8, max_body_bytes=1 << 20, max_queue=2), Queue(2), TOKEN)
+    stopping = threading.Event()
+    model = Model(loaded)
+    worker = threading.Thread(target=lead, args=(model, state.jobs, stopping, 0.2), daemon=True)
+    worker.start()
+    state.model, state.facts = model, {"health": {"model": loaded.label}, "info": {"model": loaded.label}}
+    with TestClient(make_app(state)) as client:
+        client.headers["authorization"] = f"Bearer {TOKEN}"
+        yield client, state, loaded
+    stopping.set()
+    worker.join(10)
+
+
+def post(client, request: TraceRequest):
+    body, kind = encode_request(request)
+    return client.post("/trace", content=body, headers={"content-type": kind})
+
+
+def test_a_trace_over_http_is_the_trace_run_makes(served):
+    client, state, loaded = served
+    request = TraceRequest(prompt=PROMPT, generate=3, attribute=True, interventions={"no_bias": "all"})
+    answer = post(client, request)
+    assert answer.status_code == 200
+    events = []
+    data = read_answer(iter([answer.content]), events.append)
+    want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
+    assert data == want.to_bytes()
+    assert {"queued": 1} in events and any("progress" in e for e in events)
+    assert events[-1]["progress"]["steps"] == 3  # the last event is the last step's last block
+    patched = TraceRequest(prompt=PROMPT, patches={"layers.0.resid_pre": want["layers.0.resid_pre"][: len(want["tokens"]) - 3]})
+    answer = post(client, patched)
+    assert answer.status_code == 200 and Trace.from_bytes(read_answer(iter([answer.content]))).extra["patched"] == [
+        "layers.0.resid_pre"
+    ]
+
+
+@pytest.mark.parametrize(
+    "body, kind, status, words",
+    [
+        (b'{"prompt": "x", "generate": 99}', "application/json", 422, "at most 8 tokens"),
+        (json.dumps({"prompt": "word " * 200}).encode(), "application/json", 422, "at most 64"),
+        (b'{"token_ids": [1, 2], "record": ["layers.*.nothing"]}', "application/json", 422, "matches no trace site"),
+        (b'{"token_ids": [1, 2], "interventions": {"ablate": "x:y"}}', "application/json", 422, "--ablate-experts"),
+        (b'{"token_ids": [1, 2], "temperature": 2}', "application/json", 422, "--temperature applies to --generate"),
+        (b"not json", "application/json", 422, "not JSON"),
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00{broken", "application/x-safetensors", 422, "not a readable safetensors"),
+        (b"x" * (2 << 20), "application/json", 413, "larger than this server takes"),
+        (b"<xml/>", "text/xml", 422, "send the request as application/json"),
+    ],
+)
+def test_a_bad_request_gets_one_line_and_the_server_goes_on(served, body, kind, status, words):
+    client, state, loaded = served
+    answer = client.post("/trace", content=body, headers={"content-type": kind})
+    assert answer.status_code == status and words in answer.json()["error"]
+    assert "\n" not in answer.json()["error"]
+    good = post(client, TraceRequest(token_ids=(1, 2, 3)))
+    assert good.status_code == 200 and read_answer(iter([good.content]))
+
+
+@pytest.mark.parametrize(
+    "patches, words",
+    [
+        ({"layers.0.resid_pre": torch.zeros(5, 2)}, "patch 'layers.0.resid_pre' has shape [5, 2], this run needs [3, "),
+        ({"layers.0.nowhere": torch.zeros(3, 2)}, "patch 'layers.0.nowhere' is not a trace site"),
+        ({"layers.0.attn.indexer.recall": torch.zeros(3)}, "is not a trace site this model can patch"),
+    ],
+)
+def test_a_patch_that_does_not_fit_is_refused_with_one_line(served, patches, words):
+    client, state, loaded = served
+    answer = post(client, TraceRequest(token_ids=(1, 2, 3), patches=patches))
+    assert answer.status_code == 422 and words in answer.json()["error"]
+    assert read_answer(iter([post(client, TraceRequest(token_ids=(1, 2, 3))).content]))
+
+
+def test_no_token_no_answer_and_health_tells_the_state(served):
+    client, state, loaded = served
+    bare = TestClient(client.app)
+    for path, method in (("/trace", "POST"), ("/info", "GET"), ("/encode", "POST")):
+        answer = bare.request(method, path, content=b"{}", headers={"authorization": "Bearer wrong-token-of-length"})
+        assert answer.status_code == 401 and "token" in answer.json()["error"]
+    health = bare.get("/health")  # health needs no token: it says whether the model is up, nothing of it
+    assert health.status_code == 200 and health.json()["queue"] == 0
+    held, state.model = state.model, None
+    try:
+        assert bare.get("/health").status_code == 503
+        assert client.post("/trace", content=b"{}").status_code == 503
+    finally:
+        state.model = held
+
+
+def test_a_full_queue_says_so(served):
+    client, state, loaded = served
+    state.jobs.limit, limit = 0, state.jobs.limit
+    try:
+        answer = post(client, TraceRequest(token_ids=(1, 2, 3)))
+        assert answer.status_code == 503 and "queue is full" in answer.json()["error"]
+    finally:
+        state.jobs.limit = limit
+
+
+# --- the command line's server ----------------------------------------------------------------------
+
+
+def start(args: list[str], ranks: int = 1, port: int | None = None, env: dict | None = None):
+    """``python -m tracing serve ...`` (under torchrun for several ranks), once its /health answers 200."""
+    port = port or free_port()
+    serve = ["-m", "tracing", "serve", *args, "--port", str(port)]
+    if ranks > 1:
+        launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"]
+        serve = [*launch, "--master-port", str(free_port()), *serve]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, *serve], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server stopped: {proc.stdout.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("the server did not come up in 120 s")
+
+
+def stop(proc) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.stdout.read().decode()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(app_checkpoint):
+    proc, url = start(["--checkpoint", app_checkpoint], ranks=2)
+    yield url
+    stop(proc)
+
+
+RUNS = {
+    "prefill": [],
+    "generate": ["--generate", "4"],
+    "attribute": ["--attribute", "--record", "default,flow"],
+    "intervention": ["--no-gate-bias", "--ablate-heads", "1:0", "--zero-experts", "2:3"],
+}
+
+
+@pytest.mark.parametrize("flags", list(RUNS.values()), ids=list(RUNS))
+def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_checkpoint, tmp_path, flags):
+    local, remote = tmp_path / "local.safetensors", tmp_path / "remote.safetensors"
+    argv = ["run", "--prompt", PROMPT, *flags]
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(local)]) == 0
+    assert main([*argv, "--server", two_ranks, "--out", str(remote), "--csv", str(tmp_path / "csv")]) == 0
+    a, b = Trace.load(local), Trace.load(remote)
+    assert set(a.tensors) == set(b.tensors) and a.extra == b.extra and (tmp_path / "csv" / "tokens.csv").is_file()
+    for name in a.tensors:
+        if a[name].is_floating_point() and flags:  # as the torchrun tests: partial sums meet in another order
+            torch.testing.assert_close(a[name], b[name], rtol=2**-7, atol=1e-5, equal_nan=True)
+        else:
+            assert torch.equal(a[name], b[name]), name  # selections, tokens, the prefill's default sites: exactly
+
+
+def test_the_python_client_and_a_client_killed_mid_generation(two_ranks, tmp_path):
+    from tracing.client import Client
+
+    with Client(two_ranks) as client:
+        assert client.health()["ranks"] == 2 and client.info()["config"]["model_type"] == "deepseek_v32"
+        assert client.encode(TraceRequest(prompt=PROMPT))[0] == client.trace(prompt=PROMPT)["tokens"][0]
+        out = tmp_path / "gone.safetensors"
+        argv = [sys.executable, "-m", "tracing", "run", "--server", two_ranks, "--prompt", PROMPT, "--generate", "150"]
+        gone = subprocess.Popen([*argv, "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not client.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone.kill()  # mid-generation: the server ends its request at the next block
+        gone.wait()
+        deadline = time.monotonic() + 30
+        while client.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not client.health()["running"] and not out.exists()
+        assert client.trace(prompt=PROMPT, generate=2).extra["generation"]["generated"] == 2  # serving on
+
+
+def test_a_token_is_needed_off_loopback_and_checked(app_checkpoint, tmp_path, capsys):
+    code = main(["serve", "--checkpoint", app_checkpoint, "--host", "0.0.0.0"])
+    assert code == 2 and "--token-file" in capsys.readouterr().err
+    (tmp_path / "short").write_text("abc")
+    assert main(["serve", "--checkpoint", app_checkpoint, "--token-file", str(tmp_path / "short")]) == 2
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    proc, url = start(["--checkpoint", app_checkpoint, "--token-file", str(token)])
+    try:
+        out = tmp_path / "t.safetensors"
+        assert main(["run", "--server", url, "--token-ids", "1,2,3", "--out", str(out)]) == 2
+        assert "needs its token" in capsys.readouterr().err and not out.exists()
+        assert main(["run", "--server", url, "--token-file", str(token), "--token-ids", "1,2,3", "--out", str(out)]) == 0
+    finally:
+        started = time.monotonic()
+        log = stop(proc)
+        assert proc.returncode == 0 and time.monotonic() - started < 15, log  # SIGTERM: a clean, prompt exit
+
+
+def test_a_rank_that_dies_ends_the_server(app_checkpoint):
+    proc, url = start(["--checkpoint", app_checkpoint, "--collective-timeout", "10"], ranks=2)
+    try:
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text(errors="replace"))
+        os.kill(int(rank1), signal.SIGKILL)
+        started = time.monotonic()
+        proc.wait(60)
+        assert time.monotonic() - started < 60 and proc.returncode != 0
+    finally:
+        stop(proc)

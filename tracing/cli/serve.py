@@ -1,0 +1,193 @@
+"""``python -m tracing serve``: a model loaded once, traced by HTTP requests (tracing.server).
+
+    python -m tracing serve --checkpoint demo                                  # http://127.0.0.1:8600
+    torchrun --nproc-per-node 8 -m tracing serve --checkpoint /models/DeepSeek-V3.2-Exp --device cuda
+
+Under torchrun every rank loads its part once (tensor and expert parallel, as ``run`` splits it),
+rank 0 serves HTTP and hands each request to every rank. Loopback only unless ``--token-file``
+names a bearer token; the limits bound what one request may cost. SIGTERM (or Ctrl-C) ends the
+request running at its next block and stops every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from ..errors import InputError
+from .loading import add_device_options, add_source_options, open_from_args, parse_device, parse_dtype
+
+DEFAULT_PORT = 8600
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="keep a model loaded and trace requests over HTTP (the app, run --server, Python)")
+    add_source_options(serve, "synthetic weights of this config (no download)")
+    add_device_options(serve)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default loopback; any other needs --token-file)"
+    )
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--token-file", help="file holding the bearer token every client must send (Authorization: Bearer ...)")
+    serve.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt a request may bring (default 4096)")
+    serve.add_argument("--max-generate", type=int, default=512, help="most tokens a request may generate (default 512)")
+    serve.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, patches included (default 64)")
+    serve.add_argument("--max-patch-mb", type=float, default=64.0, help="largest patches of a request (default 64)")
+    serve.add_argument("--max-seconds", type=float, default=600.0, help="a request is stopped after this long (default 600)")
+    serve.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the model (default 8)")
+    serve.add_argument(
+        "--collective-timeout", type=float, default=60.0, help="under torchrun: seconds a rank waits for another (default 60)"
+    )
+    serve.set_defaults(func=cmd_serve)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--token-file {path}: cannot read it ({exc})") from None
+    if len(token) < 16 or any(c.isspace() for c in token):
+        raise InputError(f"--token-file {path}: the token must be at least 16 characters, without spaces")
+    return token
+
+
+def _limits(args: argparse.Namespace):
+    from ..server.wire import Limits
+
+    for flag, value in (
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--max-generate", args.max_generate),
+        ("--max-body-mb", args.max_body_mb),
+        ("--max-patch-mb", args.max_patch_mb),
+        ("--max-seconds", args.max_seconds),
+        ("--max-queue", args.max_queue),
+        ("--collective-timeout", args.collective_timeout),
+    ):
+        if not value > 0 or value != value or value == float("inf"):
+            raise InputError(f"{flag} must be a positive finite number, not {value}")
+    return Limits(
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_patch_bytes=int(args.max_patch_mb * 2**20),
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_generate=args.max_generate,
+        max_seconds=args.max_seconds,
+        max_queue=args.max_queue,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from model import parallel
+
+    from ..server.worker import Model, follow, lead
+
+    limits = _limits(args)
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port {args.port}: choose 1..65535")
+    if not _loopback(args.host) and args.token_file is None:
+        raise InputError(f"--host {args.host} is reachable from other machines: name a --token-file (a bearer token)")
+    token = read_token(args.token_file) if args.token_file else None
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    distributed = parallel.init_distributed(device, timedelta(seconds=args.collective_timeout))
+    rank, world = (distributed.rank, distributed.world) if distributed is not None else (0, 1)
+    stopping = threading.Event()
+    http = _Http(args, limits, token) if rank == 0 else None
+
+    def stop(signum, frame) -> None:
+        if rank == 0:
+            stopping.set()
+            if http is not None and http.state.jobs.running is not None:
+                http.state.jobs.running.cancel("the server is shutting down")
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        loaded = open_from_args(args, device, dtype)
+        # the tensors rank 0 hands out travel where the collectives do: the GPU under NCCL, else the CPU
+        model = Model(loaded, world, loaded.device if loaded.device.type == "cuda" else torch.device("cpu"))
+        if rank == 0:
+            http.ready(model, _facts(loaded, world, limits))
+            print(f"serving {loaded.label} on http://{args.host}:{args.port} ({world} rank{'s' * (world > 1)})", file=sys.stderr)
+            lead(model, http.state.jobs, stopping)
+        else:
+            follow(model, limits)
+    finally:
+        if http is not None:
+            http.stop()
+    return 0
+
+
+def _facts(loaded, world: int, limits) -> dict:
+    args = loaded.model.args
+    tokenizer = loaded.tokenizer
+    chat = None
+    if tokenizer is None:
+        chat = "the model has no tokenizer.json"
+    else:
+        from ..chat import encode_chat
+        from ..tokenizer import TokenizerError
+
+        try:
+            encode_chat(tokenizer, "")
+        except TokenizerError as exc:
+            chat = str(exc).partition(":")[0]
+    health = {
+        "model": loaded.label,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
+        "ranks": world,
+        "stream": loaded.stream,
+    }
+    info = {
+        **health,
+        "config": args.to_hf(),
+        "tokenizer": tokenizer is not None,
+        "chat_refusal": chat,
+        "limits": limits.describe(),
+    }
+    return {"health": health, "info": info}
+
+
+class _Http:
+    """uvicorn on a thread of rank 0, serving the app of tracing.server.http."""
+
+    def __init__(self, args, limits, token):
+        import uvicorn
+
+        from ..server.http import State, make_app
+        from ..server.worker import Queue
+
+        self.state = State(limits, Queue(limits.max_queue), token)
+        config = uvicorn.Config(make_app(self.state), host=args.host, port=args.port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="anatomy-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise InputError(f"cannot listen on {args.host}:{args.port} (in use, or not an address of this machine)")
+            time.sleep(0.05)
+
+    def ready(self, model, facts: dict) -> None:
+        self.state.facts = facts
+        self.state.model = model
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

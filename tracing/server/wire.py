@@ -1,0 +1,126 @@
+"""What travels between a client and the model server: no pickle anywhere.
+
+A request is a :class:`~tracing.runner.TraceRequest` in its JSON form, sent as ``application/json``;
+one with patches is a safetensors file (``application/x-safetensors``) whose tensors are the
+patches and whose metadata holds the request's JSON under ``request``. The answer streams
+(``application/x-ndjson``): one JSON object a line while the request waits and runs (``queued``:
+its place; ``progress``: block i of n, step j of N), then ``{"trace": N}`` followed by the trace
+file's N bytes, or ``{"error": "...", "status": 4xx}``. A request refused before it is queued gets
+a plain JSON answer ``{"error": "..."}`` with its 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from ..errors import InputError
+from ..runner import TraceRequest
+
+JSON = "application/json"
+SAFETENSORS = "application/x-safetensors"
+EVENTS = "application/x-ndjson"
+REQUEST_KEY = "request"  # the safetensors metadata key of the request's JSON
+
+
+class TooLarge(InputError):
+    """A body or patches over the server's limit (413)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost, checked before it is queued (and its time while it runs)."""
+
+    max_body_bytes: int = 64 * 2**20
+    max_patch_bytes: int = 64 * 2**20
+    max_prompt_tokens: int = 4096
+    max_generate: int = 512
+    max_seconds: float = 600.0
+    max_queue: int = 8
+
+    def describe(self) -> dict:
+        return {
+            "max_body_mb": self.max_body_bytes / 2**20,
+            "max_patch_mb": self.max_patch_bytes / 2**20,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "max_generate": self.max_generate,
+            "max_seconds": self.max_seconds,
+            "max_queue": self.max_queue,
+        }
+
+
+def encode_request(request: TraceRequest) -> tuple[bytes, str]:
+    """The body and content type of a request."""
+    if not request.patches:
+        return request.to_json().encode(), JSON
+    patches = {name: value.detach().cpu().contiguous() for name, value in request.patches.items()}
+    return save_safetensors(patches, metadata={REQUEST_KEY: request.to_json()}), SAFETENSORS
+
+
+def decode_request(body: bytes, content_type: str, limits: Limits) -> TraceRequest:
+    """A request from its body; InputError (a 4xx) for anything malformed or over a limit."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind == JSON:
+        return TraceRequest.from_json(body)
+    if kind != SAFETENSORS:
+        raise InputError(f"send the request as {JSON}, or as {SAFETENSORS} with patches, not {kind or 'no type'}")
+    try:
+        patches = load_safetensors(body)
+        metadata = _metadata(body)
+    except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
+        raise InputError(f"the patches are not a readable safetensors file ({exc})") from None
+    if REQUEST_KEY not in metadata:
+        raise InputError(f"the safetensors body holds no {REQUEST_KEY!r} metadata (the request's JSON)")
+    size = sum(t.numel() * t.element_size() for t in patches.values())
+    if size > limits.max_patch_bytes:
+        raise TooLarge(
+            f"the patches hold {size / 2**20:.3g} MiB, more than this server takes ({limits.max_patch_bytes / 2**20:.3g})"
+        )
+    return TraceRequest.from_json(metadata[REQUEST_KEY], patches=patches)
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    """The metadata of a safetensors file in memory (its JSON header's ``__metadata__``)."""
+    n = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8 : 8 + n])
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("__metadata__ is not an object")
+    return metadata
+
+
+def event(**fields) -> bytes:
+    """One line of the answer's stream."""
+    return json.dumps(fields, allow_nan=False).encode() + b"\n"
+
+
+def read_answer(chunks: Iterator[bytes], on_event=None) -> bytes:
+    """The trace bytes from an answer's stream, calling ``on_event(dict)`` for each event line;
+    InputError with the server's line for an error."""
+    buffer = b""
+    chunks = iter(chunks)
+    while True:
+        while b"\n" not in buffer:
+            chunk = next(chunks, None)
+            if chunk is None:
+                raise InputError("the server ended the answer before the trace (it stopped or lost a rank)")
+            buffer += chunk
+        line, _, buffer = buffer.partition(b"\n")
+        message = json.loads(line)
+        if "error" in message:
+            raise InputError(message["error"])
+        if "trace" in message:
+            size = int(message["trace"])
+            while len(buffer) < size:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    raise InputError(f"the server sent {len(buffer)} of the trace's {size} bytes")
+                buffer += chunk
+            return buffer[:size]
+        if on_event is not None:
+            on_event(message)
