@@ -1,15 +1,19 @@
-"""The real-size check: a traced prefill through the 671B architecture, streamed block by block.
+"""The real-size check: a traced prefill through the 671B architecture, streamed block by block,
+through what users run: the Tracer (tracing.run with a TraceRequest) and the model server.
 
 Synthetic FP8 weights with the real names and shapes (model.synthetic.SyntheticSource, made on
-the device), all blocks streamed (model.stream), forward hooks on the default trace sites copying
-each value to the CPU. Reports per-block compute time, weight generation time and bytes per
-second, peak GPU memory and peak host memory; checks the recorded values against the trace
-contract of docs/architecture.md (names, shapes, dtypes, -inf / -1 conventions); prints one JSON object and
-exits 1 when a check fails (or the time target is missed).
+the device), all blocks streamed (model.stream). Phase 1 traces the default sites in this process
+(tracing.runner.run, the Streamer as its context) and reports per-block compute time, weight
+generation time and bytes per second, peak GPU memory and peak host memory; it checks the recorded
+values against the trace contract of docs/architecture.md (names, shapes, dtypes, -inf / -1
+conventions). Phase 2 (unless ``--no-server``) starts ``python -m tracing serve`` on the same
+synthetic weights, streamed, sends the same request and checks that the server's trace file is
+phase 1's byte for byte, then times a generation of ``--generate`` tokens there. Prints one JSON
+object and exits 1 when a check fails (or the time target is missed).
 
 On one H200 (no network needed):
 
-    python scripts/gpu_check.py                       # 61 blocks, 512 tokens, target 120 s
+    python scripts/gpu_check.py                       # 61 blocks, 512 tokens, target 120 s; then the server
 
 A CPU smoke test of the same path (the tests run it on a tiny config):
 
@@ -24,8 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import resource
+import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -34,13 +41,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tracing.startup import load_torch  # noqa: E402
+
+load_torch()
+
 import torch  # noqa: E402
 
-from model.checkpoint import build_model  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
-from model.stream import stream_forward  # noqa: E402
-from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
+from model.stream import Streamer  # noqa: E402
+from tracing.cli.loading import open_synthetic  # noqa: E402
 from tracing.cli.progress import stream_bar  # noqa: E402
+from tracing.runner import TraceRequest  # noqa: E402
+from tracing.runner import run as run_request  # noqa: E402
 from tracing.sites import site_name  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "assets" / "configs" / "config_671B_hf.json"
@@ -73,9 +85,6 @@ def check_trace(trace: dict[str, torch.Tensor], args: ModelArgs, n_tokens: int) 
             return value
         return None
 
-    extra = sorted(set(trace) - set(trace_sites(args)))
-    if extra:
-        problems.append(f"unexpected sites recorded: {extra[:3]}")
     future = torch.ones(T, T, dtype=torch.bool).triu(1)  # key after query: masked
     for i in range(args.n_layers):
         stream = [expect(site_name(i, s), (T, D), torch.float32) for s in ("resid_pre", "resid_mid", "resid_post")]
@@ -126,34 +135,20 @@ def check_trace(trace: dict[str, torch.Tensor], args: ModelArgs, n_tokens: int) 
 
 def run(opts: argparse.Namespace) -> dict:
     device = torch.device(opts.device)
-    args = ModelArgs.from_file(opts.config)
-    if opts.n_layers is not None:
-        args = truncate_layers(args, opts.n_layers)
-    source = SyntheticSource(args, seed=opts.seed)
-    model = build_model(args, torch.bfloat16)
-    tokens = torch.randint(0, args.vocab_size, (1, opts.tokens), generator=torch.Generator().manual_seed(opts.seed))
-
-    trace: dict[str, torch.Tensor] = {}
-    modules = dict(model.named_modules())
-    handles = []
-    for name in trace_sites(args):
-
-        def record(module, inputs, output, name=name):
-            value = output[0] if module.shape.startswith("B") else output  # the trace drops the batch
-            trace[name] = value.detach().to("cpu", copy=True)
-
-        handles.append(modules[name].register_forward_hook(record))
+    loaded = open_synthetic(opts.config, opts.n_layers, device, torch.bfloat16, stream=True, split=False)
+    args = loaded.model.args
+    ids = torch.randint(0, args.vocab_size, (opts.tokens,), generator=torch.Generator().manual_seed(opts.seed)).tolist()
+    request = TraceRequest(token_ids=tuple(ids), record=("default",))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     progress = stream_bar(sys.stderr) if not opts.quiet else None
+    streamer = Streamer(loaded.model, loaded.source, device, prefetch=opts.prefetch, synchronize=True, progress=progress)
     start = time.perf_counter()
-    try:
-        _, stats = stream_forward(model, source, tokens, device, prefetch=opts.prefetch, synchronize=True, progress=progress)
-    finally:
-        for h in handles:
-            h.remove()
+    trace = run_request(loaded.model, request, extra={"checkpoint": loaded.label}, device=device, context=streamer)
     wall = time.perf_counter() - start
-    problems = check_trace(trace, args, opts.tokens)
+    stats = streamer.stats
+    problems = check_trace(trace.tensors, args, opts.tokens)
+    local_bytes = trace.to_bytes()
 
     per_block = []
     for name, unit in stats.units.items():
@@ -174,7 +169,7 @@ def run(opts: argparse.Namespace) -> dict:
     if max_seconds is not None and compute > max_seconds:
         problems.append(f"compute took {compute:.1f} s, over the {max_seconds:.0f} s target")
     blocks = [b["compute_seconds"] for b in per_block if b["name"].startswith("layers.")]
-    return {
+    summary = {
         "ok": not problems,
         "problems": problems,
         "config": str(opts.config),
@@ -196,10 +191,63 @@ def run(opts: argparse.Namespace) -> dict:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "peak_resident_weight_bytes": stats.peak_resident_bytes,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "recorded_sites": len(trace),
-        "logits_last_argmax": int(trace["logits.last"].argmax()) if "logits.last" in trace else None,
+        "recorded_sites": len(trace.tensors),
+        "contract_sites": sum(name in trace.tensors for name in trace_sites(args)),
+        "logits_last_argmax": int(trace["logits.last"].argmax()),
         "per_block": per_block,
     }
+    if opts.server:
+        summary["server"] = server_phase(opts, request, local_bytes, problems)
+        summary["ok"] = not problems
+    return summary
+
+
+def server_phase(opts: argparse.Namespace, request: TraceRequest, local_bytes: bytes, problems: list[str]) -> dict:
+    """The same request through ``python -m tracing serve`` on the same synthetic weights (streamed):
+    its trace file must be phase 1's; then a generation, timed."""
+    from tracing.client import Client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = [sys.executable, "-m", "tracing", "serve", "--synthetic", str(opts.config), "--stream", "--device", opts.device]
+    if opts.n_layers is not None:
+        serve += ["--n-layers", str(opts.n_layers)]
+    serve += ["--port", str(port), "--max-prompt-tokens", str(max(opts.tokens, 1)), "--max-seconds", "86400"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(serve, cwd=REPO, env=os.environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out: dict = {}
+    try:
+        with Client(f"http://127.0.0.1:{port}", timeout=10) as client:
+            while True:
+                if proc.poll() is not None:
+                    problems.append(f"the server stopped: {proc.stdout.read().decode()[-500:]}")
+                    return out
+                try:
+                    out["health"] = client.health()
+                    break
+                except Exception:  # not up yet
+                    time.sleep(0.5)
+            out["start_seconds"] = round(time.perf_counter() - started, 2)
+            t = time.perf_counter()
+            served = client.trace_bytes(request)
+            out["prefill_seconds"] = round(time.perf_counter() - t, 3)
+            out["same_bytes_as_the_tracer"] = served == local_bytes
+            if served != local_bytes:
+                problems.append("the server's trace file differs from the Tracer's")
+            if opts.generate:
+                t = time.perf_counter()
+                generated = client.trace(token_ids=request.token_ids, generate=opts.generate)
+                seconds = time.perf_counter() - t
+                out["generate_tokens"] = generated.extra["generation"]["generated"]
+                out["generate_seconds"] = round(seconds, 3)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None, help="fail when compute takes longer")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-server", dest="server", action="store_false", help="skip phase 2 (the model server)")
+    parser.add_argument("--generate", type=int, default=2, help="tokens the server phase generates (each streams every block)")
     opts = parser.parse_args(argv)
     try:
         summary = run(opts)

@@ -188,7 +188,8 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     )
     summary = json.loads(out.stdout)
     assert out.returncode == 0 and summary["ok"], summary
-    assert summary["n_layers"] == 3 and summary["recorded_sites"] == 3 * 5 + 2 * 3 + 1
+    assert summary["n_layers"] == 3 and summary["contract_sites"] == 3 * 5 + 2 * 3 + 1
+    assert summary["server"]["same_bytes_as_the_tracer"] and summary["server"]["generate_tokens"] == 2  # the server's
     assert [b["name"] for b in summary["per_block"]] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
     assert summary["generation_seconds"] > 0 and summary["compute_seconds"] > 0
 
