@@ -92,6 +92,7 @@ class ParallelPlan:
     experts: range = range(0)
     split_attention: list[int] = field(default_factory=list)  # blocks whose heads are split
     notes: list[str] = field(default_factory=list)
+    group: Any = None  # the process group the model is split over (None: every rank of the world)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -245,6 +246,7 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     plan = make_plan(model, rank, world, strict)
+    plan.group = group
     if world == 1:
         return plan
     for name, part in plan.parts.items():
@@ -348,6 +350,19 @@ def broadcast_int(value: int, group: Any = None) -> int:
     return int(t.item())
 
 
+def model_groups(model_ranks: int) -> tuple[Any, Any, int]:
+    """The 2-D layout of a world of W ranks: replicas of ``model_ranks`` consecutive ranks each (the
+    model split over a node's GPUs), and the group of each replica's first rank (the batches shared
+    between replicas are added there). Returns (this rank's model group, the leaders' group, this
+    rank's replica). Every rank makes every group, in the same order, as torch.distributed asks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if model_ranks < 1 or world % model_ranks:
+        raise ParallelError(f"--model-ranks {model_ranks}: the {world} ranks do not split into groups of that size")
+    groups = [dist.new_group(list(range(r * model_ranks, (r + 1) * model_ranks))) for r in range(world // model_ranks)]
+    leaders = dist.new_group(list(range(0, world, model_ranks)))
+    return groups[rank // model_ranks], leaders, rank // model_ranks
+
+
 def gather_heads(value: torch.Tensor, plan: ParallelPlan | None, block: int, group: Any = None) -> torch.Tensor:
     """All heads (dim 2) of a per-head value of ``block`` (the tracing registry says which sites are
     per head), as one process sees it. A collective where the block's heads are split: every rank
@@ -356,7 +371,7 @@ def gather_heads(value: torch.Tensor, plan: ParallelPlan | None, block: int, gro
         return value
     value = value.contiguous()
     parts = [torch.empty_like(value) for _ in range(plan.world)]
-    dist.all_gather(parts, value, group=group)
+    dist.all_gather(parts, value, group=group if group is not None else plan.group)
     return torch.cat(parts, dim=2)  # (B, T, H, S)
 
 
@@ -374,6 +389,7 @@ __all__ = [
     "init_distributed",
     "load_parallel",
     "make_plan",
+    "model_groups",
     "materialize_parallel",
     "parallelize",
 ]

@@ -26,7 +26,7 @@ class Ranks:
 
         value = value.contiguous()
         parts = [torch.empty_like(value) for _ in range(self.plan.world)]
-        dist.all_gather(parts, value)
+        dist.all_gather(parts, value, group=self.plan.group)
         return torch.cat(parts, dim=dim)
 
     def heads_sum(self, value: torch.Tensor, block: int) -> torch.Tensor:
@@ -36,7 +36,7 @@ class Ranks:
         import torch.distributed as dist
 
         value = value.contiguous()
-        dist.all_reduce(value)
+        dist.all_reduce(value, group=self.plan.group)
         return value
 
     @property
@@ -55,7 +55,7 @@ class Ranks:
         for k, i in enumerate(ids):
             if part.start <= i < part.stop:
                 out[k] = weight[i - part.start]
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.plan.group)
         return out
 
     def vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -66,5 +66,5 @@ class Ranks:
 
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.plan.world)]
-        dist.all_gather(parts, logits)
+        dist.all_gather(parts, logits, group=self.plan.group)
         return torch.cat(parts, dim=-1)

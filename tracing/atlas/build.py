@@ -122,6 +122,7 @@ class AtlasJob:
     min_count: int = 5
     label: str = ""
     resume: bool = False
+    leaders: object = None  # with the model split per node: the group of each replica's first rank
     done: int = field(default=0, init=False)  # batches counted by the checkpoint resumed
 
     def __post_init__(self):
@@ -209,7 +210,11 @@ class AtlasJob:
         decision with the number of batches counted so far."""
         model, device = loaded.model, loaded.device
         rank, world = _ranks()
-        stride, mine = (world, rank) if loaded.plan is None else (1, 0)  # data parallel: each rank its batches
+        # the replicas of the model share the batches: every rank holding the whole model is one (data
+        # parallel), a group of ranks holding it split is one (model parallel: one group, or one per node)
+        per_replica = 1 if loaded.plan is None else loaded.plan.world
+        stride, mine = world // per_replica, rank // per_replica
+        leader = rank % per_replica == 0  # its replica's first rank: the one whose counts are added
         counts = AtlasCounts(self.args, self.seq_len, device, plan=loaded.plan)
         if rank == 0 and self._state is not None:
             counts.load(self._state, str(self.out / STATE))
@@ -236,7 +241,10 @@ class AtlasJob:
                 last = index == total - 1
                 due = self._agree(int(last or now - last_checkpoint >= checkpoint_every), device)
                 if due and stride > 1:
-                    counts.reduce_to_first_rank()
+                    if leader:  # the replicas' counts into rank 0's; a replica's other ranks hold copies
+                        counts.reduce_to_first_rank(self.leaders if per_replica > 1 else None)
+                    else:
+                        counts.forget()
                 if due and not last and rank == 0:
                     state = self._state_bytes(counts.state(), index + 1, self._seconds + now - started)
                     write_file(self.out / STATE, state)
@@ -283,7 +291,7 @@ class AtlasJob:
                 "device": str(loaded.device),
                 "dtype": str(loaded.model.dtype).removeprefix("torch."),
                 "stream": loaded.stream,
-                "parallel": "model" if loaded.plan is not None else ("data" if world > 1 else "none"),
+                "parallel": _layout(loaded, world),
                 "world_size": world,
                 "batches": self.survey.batches,
             },
@@ -319,6 +327,14 @@ def _finite(value):
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
+
+
+def _layout(loaded, world: int) -> str:
+    """How the ranks shared the work: none, data, model, or model x data (the model split per group)."""
+    if loaded.plan is not None:
+        replicas = world // loaded.plan.world
+        return "model" if replicas == 1 else f"model x data ({loaded.plan.world} x {replicas})"
+    return "data" if world > 1 else "none"
 
 
 def build_atlas(loaded, sources: list[Source], out: str | os.PathLike, **settings) -> dict:

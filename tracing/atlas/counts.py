@@ -292,6 +292,12 @@ class AtlasCounts:
         self.expert_tokens.add(state["expert_token_keys"].to(self.device), state["expert_token_counts"].to(self.device))
         self.expert_tokens.consolidate()
 
+    def forget(self) -> None:
+        """Start again from zero (a replica's other ranks: their counts are its first rank's)."""
+        for value in self.totals.values():
+            value.zero_()
+        self.expert_tokens.clear()
+
     def reduce_to_first_rank(self, group=None) -> None:
         """Add every rank's totals into rank 0's (data parallel); the other ranks start again from zero."""
         first = dist.get_rank(group) == 0

@@ -37,6 +37,13 @@ def add_parser(sub) -> None:
         help="under torchrun: each rank runs its share of the batches with the whole model (data, default), "
         "or every rank runs every batch with the model split over the ranks (model: tensor and expert parallel)",
     )
+    atlas.add_argument(
+        "--model-ranks",
+        type=int,
+        metavar="M",
+        help="with --parallel model: split the model over groups of M consecutive ranks (a node's GPUs) and share "
+        "the batches between the groups (nodes); default: every rank in one group",
+    )
     atlas.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (no batch counted twice)")
     atlas.add_argument(
         "--checkpoint-every", type=float, default=300.0, metavar="SECONDS", help="write the checkpoint this often (default 300)"
@@ -88,7 +95,20 @@ def cmd_atlas(args: argparse.Namespace) -> int:
         label=label,
         resume=args.resume,
     )
-    loaded = open_from_args(args, device, dtype, split=args.parallel == "model")
+    group = None
+    if args.model_ranks is not None:
+        if args.parallel != "model":
+            raise InputError("--model-ranks applies to --parallel model")
+        from model import parallel
+
+        distributed = parallel.init_distributed(device)
+        world = distributed.world if distributed is not None else 1
+        if args.model_ranks < 1 or world % args.model_ranks:
+            raise InputError(f"--model-ranks {args.model_ranks}: the {world} ranks do not split into groups of that size")
+        if distributed is not None and args.model_ranks < world:
+            group, leaders, _ = parallel.model_groups(args.model_ranks)
+            job.leaders = leaders
+    loaded = open_from_args(args, device, dtype, split=args.parallel == "model", group=group)
     draw = int(os.environ.get("RANK", "0")) == 0 and sys.stderr.isatty()
     job.run(loaded, checkpoint_every=args.checkpoint_every, progress=draw)
     return 0

@@ -52,14 +52,14 @@ def add_source_options(parser, synthetic_help: str, server: bool = False) -> Non
         parser.add_argument("--token-file", help="with --server: the file holding its bearer token")
 
 
-def open_from_args(args, device, dtype, progress=None, split: bool = True) -> Loaded:
+def open_from_args(args, device, dtype, progress=None, split: bool = True, group=None) -> Loaded:
     """The model that :func:`add_source_options` and :func:`add_device_options` named."""
     stream = True if args.stream else None  # None: stream when the model does not fit in memory
     if args.synthetic:
-        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split)
+        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split, group)
     if args.n_layers is not None:
         raise InputError("--n-layers applies to --synthetic only")
-    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split)
+    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split, group)
 
 
 def parse_device(name: str) -> torch.device:
@@ -106,10 +106,12 @@ def open_source(
     stream: bool | None = None,
     progress=None,
     split: bool = True,
+    group=None,
 ) -> Loaded:
     """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
-    over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel;
-    without it every rank holds the whole model, for data parallel work)."""
+    over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel
+    over ``group``, default every rank; without it every rank holds the whole model, for data
+    parallel work)."""
     from model import parallel
     from model.stream import should_stream
 
@@ -121,10 +123,10 @@ def open_source(
         stream = should_stream(source, device)
     if stream:
         model = build_model(source.args, dtype)
-        plan = parallel.parallelize(model) if dist is not None and split else None
+        plan = parallel.parallelize(model, group) if dist is not None and split else None
         return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
     if dist is not None and split:
-        model, plan = parallel.load_parallel(source, device, dtype)
+        model, plan = parallel.load_parallel(source, device, dtype, group)
         return Loaded(model, tokenizer, source, label, device, False, plan)
     return Loaded(load_model(source, device, dtype), tokenizer, source, label, device)
 
@@ -136,12 +138,13 @@ def open_checkpoint(
     stream: bool | None = False,
     progress=None,
     split: bool = True,
+    group=None,
 ) -> Loaded:
     directory = resolve_checkpoint(path)
     source = SafetensorsSource(directory)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     label = "demo" if directory == DEMO else str(directory)
-    return open_source(source, label, tokenizer, device, dtype, stream, progress, split)
+    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group)
 
 
 def open_synthetic(
@@ -152,9 +155,10 @@ def open_synthetic(
     stream: bool | None = False,
     progress=None,
     split: bool = True,
+    group=None,
 ) -> Loaded:
     try:
         source = synthetic_source(config, n_layers)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
-    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split)
+    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split, group)

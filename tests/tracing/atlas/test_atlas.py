@@ -279,6 +279,27 @@ def test_two_ranks_give_the_atlas_of_one_process(atlas_dir, tmp_path):
     assert_same_atlas(tmp_path / "model", atlas_dir, exact=False)
 
 
+def test_four_ranks_split_the_model_in_two_and_share_the_batches_between_the_halves(atlas_dir, tmp_path):
+    """The 2-D layout of several nodes, on 4 CPU ranks: the model split over each pair of ranks (a
+    node's GPUs), the batches shared between the pairs (the nodes): the atlas of one process."""
+    port = _free_port()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"]
+    atlas = ["-m", "tracing", "atlas", *ARGS, "--batch-size", "2", "--parallel", "model", "--model-ranks", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [*launch, "--master-port", str(port), *atlas, "--out", str(tmp_path / "2d")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = read_atlas(tmp_path / "2d")
+    assert got.summary["settings"]["parallel"] == "model x data (2 x 2)" and got.summary["settings"]["world_size"] == 4
+    assert_same_atlas(tmp_path / "2d", atlas_dir, exact=False)
+
+
 def worker(out: Path) -> None:
     from tracing.atlas.corpus import Source as Src
 
