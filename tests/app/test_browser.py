@@ -265,8 +265,9 @@ def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch):
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
 def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
-    """With ANATOMY_SERVER set the app opens on the model server: the sidebar names it, and a prompt
-    traced there draws its plots."""
+    """With ANATOMY_SERVER set the app opens on the model server: the sidebar names it, a prompt traced
+    and generated there draws its plots and its written tokens, and the Attribution page attributes
+    on the server."""
     from tests.tracing.test_server import start, stop
 
     checkpoint = demo_or_dev_checkpoint(tmp_path_factory.mktemp("browser-server"))
@@ -276,9 +277,15 @@ def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
             page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on the server
             sidebar = page.locator('[data-testid="stSidebar"]')
             sidebar.get_by_text(f"model server {url}", exact=False).wait_for()
+            page.get_by_role("link", name="Generation").click()
+            tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
+            tokens.fill("3")
+            tokens.press("Enter")
+            sync_api.expect(tokens).to_have_value("3")
             sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
             page.get_by_role("button", name="Trace", exact=True).click()
-            page.get_by_text(f"“{PROMPT}”").wait_for()
-            page.locator(".js-plotly-plot").first.wait_for()
+            page.locator(".generated-token").first.wait_for()  # written on the server, drawn here
+            page.get_by_role("link", name="Attribution", exact=True).click()
+            page.locator(".attributed-token").first.wait_for()
     finally:
         stop(model_server)
