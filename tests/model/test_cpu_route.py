@@ -9,7 +9,7 @@ import torch
 
 from model import kernels
 from model.checkpoint import load_model
-from model.kernels import products as ops
+from model.kernels import products
 from tracing.runner import trace_tokens
 from tracing.tokenizer import Tokenizer
 
@@ -24,24 +24,24 @@ DEMO_PROMPT = (
 @pytest.fixture
 def route_env(env_read_once):
     """Sets ANATOMY_CPU_BF16 as a process starting now would find it (it is read once per process)."""
-    return lambda value: env_read_once(ops.ROUTE_ENV, value, ops.route_setting)
+    return lambda value: env_read_once(products.ROUTE_ENV, value, products.route_setting)
 
 
 def test_the_route_follows_the_cpu_and_the_override(route_env, monkeypatch):
     route_env(None)
-    assert ops.native_bf16() == ops.has_bf16_units()
-    assert ops.product_dtype(torch.float32) == torch.float32 and ops.product_dtype(torch.float16) == torch.float32
+    assert products.native_bf16() == products.has_bf16_units()
+    assert products.product_dtype(torch.float32) == torch.float32 and products.product_dtype(torch.float16) == torch.float32
     route_env("float32")
-    assert not ops.native_bf16() and ops.product_dtype(torch.bfloat16) == torch.float32
-    assert ops.describe_route() == f"float32, rounded once ({ops.ROUTE_ENV}=float32)"
-    monkeypatch.setenv(ops.ROUTE_ENV, "native")  # read once: products do not look at the environment again
-    assert not ops.native_bf16()
+    assert not products.native_bf16() and products.product_dtype(torch.bfloat16) == torch.float32
+    assert products.describe_route() == f"float32, rounded once ({products.ROUTE_ENV}=float32)"
+    monkeypatch.setenv(products.ROUTE_ENV, "native")  # read once: products do not look at the environment again
+    assert not products.native_bf16()
     route_env("native")
-    assert ops.native_bf16() and ops.product_dtype(torch.bfloat16) == torch.bfloat16
-    with ops.cpu_route(False):
-        assert not ops.native_bf16()
+    assert products.native_bf16() and products.product_dtype(torch.bfloat16) == torch.bfloat16
+    with products.cpu_route(False):
+        assert not products.native_bf16()
     route_env("fast")
-    assert ops.native_bf16() == ops.has_bf16_units() and "'fast' ignored" in ops.describe_route()
+    assert products.native_bf16() == products.has_bf16_units() and "'fast' ignored" in products.describe_route()
 
 
 def test_info_names_the_route_and_the_threads():
@@ -60,9 +60,9 @@ def test_info_names_the_route_and_the_threads():
 
 
 def _both_routes(model, ids):
-    with ops.cpu_route(False):
+    with products.cpu_route(False):
         exact = trace_tokens(model, ids, prefill=len(ids) - 3)
-    with ops.cpu_route(True):
+    with products.cpu_route(True):
         native = trace_tokens(model, ids, prefill=len(ids) - 3)
     return exact, native
 
@@ -94,17 +94,17 @@ def test_packed_products_give_the_plain_products_bits():
 
     from model.linear import Linear
 
-    assert ops.pack(torch.randn(64, 128)) is None  # float32 products keep their own route
-    if not ops.packed_products_agree():
-        assert ops.pack(torch.randn(64, 128).to(torch.bfloat16)) is None
+    assert products.pack(torch.randn(64, 128)) is None  # float32 products keep their own route
+    if not products.packed_products_agree():
+        assert products.pack(torch.randn(64, 128).to(torch.bfloat16)) is None
         return
     gen = torch.Generator().manual_seed(5)
     for rows, k, n in ((1, 1024, 512), (7, 256, 2048), (129, 512, 320)):
         weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         x = torch.randn(1, rows, k, generator=gen).to(torch.bfloat16)
-        assert torch.equal(ops.linear(x, None, ops.pack(weight)), F.linear(x, weight))
+        assert torch.equal(products.linear(x, None, products.pack(weight)), F.linear(x, weight))
         lin = Linear(k, n)
         lin.weight = torch.nn.Parameter(weight, requires_grad=False)
-        with torch.inference_mode(), ops.cpu_route(True):
+        with torch.inference_mode(), products.cpu_route(True):
             assert torch.equal(lin(x), F.linear(x, weight))
             assert kernels.weights.get(lin.weight, ("packed", torch.bfloat16)) is not kernels.weights.MISSING
