@@ -20,22 +20,18 @@ from app.topics import cards, model_map
 from app.topics.router import bias_effect, moe_blocks
 from model import kernels
 from model.config import ModelArgs
+from tests.app.apptest import APP, TIMEOUT, start
 from tracing.tables import to_csv_bytes
 
-APP = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 PAGES = [
     p.name for p in pages.PAGES if p.traced and p.name not in ("interventions", "attribution")
 ]  # those two run the model again: tests/test_app_interventions.py, test_app_attribution.py; the atlas: test_app_atlas.py
 REAL = ModelArgs.from_file(Path(__file__).resolve().parents[2] / "assets" / "configs" / "config_671B_hf.json")
-TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
 @pytest.fixture()
 def app(app_checkpoint, monkeypatch) -> AppTest:
-    monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+    return start(monkeypatch, app_checkpoint)
 
 
 def plotly_charts(at: AppTest) -> list:

@@ -7,33 +7,25 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from app.core import settings
 from app.core.models import open_model
 from app.core.traces import Entry, describe_interventions, record_patterns, store
 from app.topics import attribution
+from tests.app.apptest import start
 from tracing.analyses.attribution import AttributionRequest
 from tracing.analyses.interventions import AblateExperts, AblateHeads, IndexTopK, NoGateBias, ZeroExperts, from_spec
 from tracing.runner import trace_tokens
 
-APP = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 PAGE = "views/interventions.py"
-TIMEOUT = 120  # the first run loads the model and traces the default prompt
 
 
 @pytest.fixture()
 def app(app_checkpoint, monkeypatch) -> AppTest:
-    monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
-    assert not at.exception, [e.value for e in at.exception]
-    at.switch_page(PAGE).run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+    return start(monkeypatch, app_checkpoint, PAGE)
 
 
 def messages(elements) -> str:

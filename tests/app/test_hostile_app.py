@@ -15,15 +15,13 @@ from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
 from app import pages
-from app.core import settings
 from app.core.traces import store
 from app.topics.router import moe_blocks
 from model.config import ModelArgs
+from tests.app.apptest import TIMEOUT, start
 
 REPO = Path(__file__).resolve().parents[2]
-APP = str(REPO / "app" / "main.py")
 REAL = ModelArgs.from_file(REPO / "assets" / "configs" / "config_671B_hf.json")
-TIMEOUT = 120
 PAGES = [p.name for p in pages.PAGES]
 SECRET = "s3cr3t-4f1d"
 
@@ -36,15 +34,6 @@ def messages(elements) -> str:
 def everything_shown(at: AppTest) -> str:
     kinds = ("error", "warning", "info", "caption", "markdown", "exception", "code", "text")
     return " ".join(messages(at.get(kind)) for kind in kinds)
-
-
-def start(monkeypatch, checkpoint: str, **env: str) -> AppTest:
-    monkeypatch.setenv(settings.ENV_CHECKPOINT, checkpoint)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 @pytest.fixture()
