@@ -7,14 +7,13 @@ Each checkpoint is opened once per process per (checkpoint, dtype) with ``st.cac
 shared by every browser session (the Tracer keeps concurrent sessions' hooks apart). A checkpoint
 that failed is not read again until its files change.
 
-Under ANATOMY_CHECKPOINT_ROOTS the checkpoint field is an allow-list, and every refusal reads the
-same: a reason could tell what exists on the server or quote its files.
+Under ANATOMY_CHECKPOINT_ROOTS the checkpoint field is confined by app.core.paths, as every path
+field is: one refusal, whatever the reason.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -35,11 +34,11 @@ from tracing.runner import TraceRequest, encode, run
 from tracing.tokenizer import TokenizerError
 from tracing.trace import Trace
 
-from . import settings
+from . import paths, settings
 from .errors import BAD_INPUT
 
-# the one answer under ANATOMY_CHECKPOINT_ROOTS: it must not tell what exists on the server or what a file holds
-NOT_ALLOWED = "not a loadable checkpoint under the allowed roots (the server log says why)"
+CHECKPOINT = "a loadable checkpoint"  # what the checkpoint field opens, in its one refusal (app.core.paths)
+NOT_ALLOWED = paths.refusal(CHECKPOINT)
 log = logging.getLogger(__name__)
 
 
@@ -195,10 +194,9 @@ def check_checkpoint(value: str) -> Path:
             "the bundled demo checkpoint is missing from assets/demo (scripts/train_demo.py makes it): "
             "choose a checkpoint directory or upload a trace file"
         )
-    roots = settings.checkpoint_roots()
-    if roots is not None:
-        return _check_allowed(value, roots)
     path = resolve_checkpoint(value)
+    if paths.confined():
+        return paths.confine(path, CHECKPOINT, "config.json")
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
     if not path.is_dir():
@@ -209,30 +207,6 @@ def check_checkpoint(value: str) -> Path:
             "model.safetensors.index.json with its shards (or one model.safetensors), and tokenizer.json"
         )
     return path
-
-
-def _check_allowed(value: str, roots: list[Path]) -> Path:
-    """The real directory ``value`` names when it lies under one of ``roots`` and holds a config.json.
-    A path outside them is refused before anything there is looked at beyond resolving its symlinks,
-    and every refusal reads the same, so the field cannot be used to explore the server."""
-    path = resolve_checkpoint(value)
-    lexical = Path(os.path.abspath(path))  # '..' folded without touching the disk
-    if not any(lexical.is_relative_to(root) for root in roots):
-        log.warning("checkpoint %r refused: outside %s", value, settings.ENV_CHECKPOINT_ROOTS)
-        raise CheckpointError(NOT_ALLOWED)
-    try:
-        real = path.resolve(strict=True)  # a symlink loop, a NUL byte, no permission: refused alike
-        if not any(real.is_relative_to(root) for root in roots):
-            log.warning("checkpoint %r refused: it resolves to %s, outside %s", value, real, settings.ENV_CHECKPOINT_ROOTS)
-            raise CheckpointError(NOT_ALLOWED)
-        if not (real / "config.json").is_file():
-            log.warning("checkpoint %r refused: %s holds no config.json", value, real)
-            raise CheckpointError(NOT_ALLOWED)
-    except (OSError, RuntimeError, ValueError) as exc:
-        if not isinstance(exc, CheckpointError):
-            log.warning("checkpoint %r refused: %s", value, exc)
-        raise CheckpointError(NOT_ALLOWED) from None
-    return real
 
 
 def _available_memory() -> int | None:
@@ -285,16 +259,10 @@ def _stamp(path: Path) -> tuple:
 
 def open_model(value: str, dtype: str) -> AppModel:
     """The model of checkpoint ``value`` ('demo' or a directory), loaded once per process;
-    CheckpointError (or ConfigError, TokenizerError) says why not. Under ANATOMY_CHECKPOINT_ROOTS the
-    reason goes to the server log and the user sees NOT_ALLOWED: a reason can quote the files."""
-    if settings.checkpoint_roots() is None:
+    CheckpointError (or ConfigError, TokenizerError) says why not; under ANATOMY_CHECKPOINT_ROOTS the
+    one refusal, NOT_ALLOWED, its reason in the server log (app.core.paths)."""
+    with paths.refused_alike(CHECKPOINT, value, (*BAD_INPUT, OSError, RuntimeError, ValueError)):
         return _open_checked(value, dtype)
-    try:
-        return _open_checked(value, dtype)
-    except (*BAD_INPUT, OSError, RuntimeError, ValueError) as exc:
-        if str(exc) != NOT_ALLOWED:
-            log.warning("checkpoint %r not loaded: %s", value, exc)
-        raise CheckpointError(NOT_ALLOWED) from None
 
 
 def _open_checked(value: str, dtype: str) -> AppModel:

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.core import paths
 from tracing.atlas import Atlas, AtlasError, read_atlas
 
 from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_axis, right_axis
@@ -24,7 +25,8 @@ ZIP_NAMES = ("summary.json",)  # besides the tables' <name>.parquet files
 def open_zip(data: bytes, name: str, limit: int) -> Atlas:
     """An atlas folder zipped (its files at the top or in one folder), read as data only. The
     members are written under their base names in a fresh directory: no member path reaches
-    outside it, and nothing larger than ``limit`` bytes unpacked is read."""
+    outside it, and nothing larger than ``limit`` bytes unpacked is read. Errors name the archive, never
+    the directory it was unpacked in."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = [m for m in archive.infolist() if not m.is_dir()]
@@ -41,8 +43,11 @@ def open_zip(data: bytes, name: str, limit: int) -> Atlas:
             try:
                 target.write_bytes(archive.read(member))
             except (zipfile.BadZipFile, OSError, RuntimeError, ValueError) as exc:
-                raise AtlasError(f"{name}: {member.filename} cannot be unpacked ({exc})") from None
-        return read_atlas(tmp)
+                raise AtlasError(paths.scrubbed(f"{name}: {member.filename} cannot be unpacked ({exc})", tmp, name)) from None
+        try:
+            return read_atlas(tmp)
+        except (AtlasError, OSError) as exc:
+            raise AtlasError(paths.scrubbed(str(exc), tmp, name)) from None
 
 
 def _member_name(path: str) -> str | None:

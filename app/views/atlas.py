@@ -10,12 +10,15 @@ from pathlib import Path
 import streamlit as st
 
 from app import widgets
-from app.core import settings
+from app.core import paths, settings
 from app.topics import atlas as topic
 from tracing.atlas import Atlas, AtlasError
+from tracing.errors import InputError
 
 SOURCES = ("bundled", "dir", "upload")
 SOURCE_LABELS = {"bundled": "Bundled demo atlas", "dir": "Atlas directory", "upload": "Zipped atlas"}
+ATLAS = "an atlas directory"  # what the directory field opens, in its one refusal (app.core.paths)
+SUMMARY = "summary.json"
 SECTIONS = ("Expert load", "Co-activation", "One expert", "Routing bias", "Indexer")
 
 
@@ -35,6 +38,13 @@ def _stamp(path: str) -> tuple:
     return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
+def _open_typed(value: str) -> Atlas:
+    """The atlas directory a visitor typed, confined as every path field is (app.core.paths)."""
+    with paths.refused_alike(ATLAS, value, (AtlasError, OSError, ValueError)):
+        folder = paths.confine(Path(value).expanduser(), ATLAS, SUMMARY)
+        return _open_dir(str(folder), _stamp(str(folder)))
+
+
 def _open() -> Atlas | None:
     """The atlas the page's sidebar names, or None after saying why not."""
     with st.sidebar:
@@ -51,12 +61,12 @@ def _open() -> Atlas | None:
                     "Atlas directory",
                     key="atlas_dir",
                     placeholder="atlas-out/",
-                    help="The --out DIR of `python -m tracing atlas`",
+                    help="The --out DIR of `python -m tracing atlas`" + paths.roots_help("atlases"),
                 )
                 if not path.strip():
                     st.caption("Type the path of an atlas directory and press Enter.")
                     return None
-                return _open_dir(path.strip(), _stamp(path.strip()))
+                return _open_typed(path.strip())
             upload = st.file_uploader(
                 "Zipped atlas",
                 type=["zip"],
@@ -68,7 +78,7 @@ def _open() -> Atlas | None:
                 return None
             data = upload.getvalue()
             return _open_zip(hashlib.sha256(data).hexdigest(), data, upload.name, settings.max_upload_bytes())
-        except (AtlasError, OSError) as exc:
+        except (AtlasError, InputError, OSError) as exc:
             st.error(f"**Atlas not opened.** {widgets.escape_md(str(exc))}", icon=":material/error:")
             return None
 
