@@ -9,6 +9,7 @@ from typing import Any
 import streamlit as st
 
 from app import widgets
+from app.core.session import origin
 from app.core.traces import Entry, describe_interventions
 from app.topics import experts, generation, interventions, predictions, router, tokens
 from app.topics.export import OCTETS, ZIP, zip_bytes
@@ -44,7 +45,7 @@ def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
     left, right = st.columns(2, gap="large")
     for column, entry, title in ((left, base, "Baseline"), (right, iv, "Intervened")):
         with column, st.container(border=True):
-            st.markdown(f"**{title}** · {widgets.escape_md(entry.origin)} · traced in {entry.seconds:.2f} s")
+            st.markdown(f"**{title}** · {widgets.escape_md(origin(entry))} · traced in {entry.seconds:.2f} s")
             frame = entry.memo("next_tokens", lambda entry=entry: predictions.next_tokens(entry.trace))
             if frame is None:
                 widgets.missing("No next-token logits", ["logits.last"])
@@ -99,7 +100,7 @@ def texts_part(base: Entry, iv: Entry) -> bool:
     left, right = st.columns(2, gap="large")
     for column, entry, title in ((left, base, "Baseline"), (right, iv, "Intervened")):
         with column, st.container(border=True):
-            st.markdown(f"**{title}** · {widgets.escape_md(entry.origin)}")
+            st.markdown(f"**{title}** · {widgets.escape_md(origin(entry))}")
             st.html(generation.coloured_text(entry.table("steps"), start, parted))
     if parted is None:
         return True
@@ -127,7 +128,7 @@ def summary_metrics(info: dict, tables: dict, n_layers: int, move: interventions
     if move is not None:
         rank = "still the top prediction" if move.rank_after == 0 else f"now ranked {move.rank_after + 1}"
         cols[1].metric(
-            f"Logit of {shown(move.token_id)}",
+            f"Logit of {widgets.escape_md(shown(move.token_id))}",
             f"{move.after:.3f}",
             f"{move.after - move.before:+.3f}",
             help=f"The baseline's top next token after the last position: logit {move.before:.4f} in the baseline, "

@@ -12,12 +12,12 @@ from tracing.errors import InputError
 from tracing.nonfinite import first_nonfinite
 from tracing.sampling import Sampling
 
-from .core import settings
+from .core import paths, settings
 from .core.errors import BAD_INPUT
+from .core.markup import code_md, escape_md
 from .core.models import AppModel, open_by_key, open_model, open_server
-from .core.session import SOURCES, current_entry
+from .core.session import SOURCES, current_entry, name_upload, origin
 from .core.traces import Chat, Generation, TraceKey, chat_refusal, open_upload, store, token_limit, trace_prompt
-from .widgets import escape_md
 
 SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "server": "Model server", "upload": "Trace file"}
 
@@ -88,7 +88,7 @@ def _model_source(source: str, notices):
             key="ckpt_dir",
             placeholder="/data/DeepSeek-V3.2-Exp",
             help="A Hugging Face layout directory: config.json, model.safetensors.index.json and shards "
-            "(or one model.safetensors), tokenizer.json" + _roots_help(),
+            "(or one model.safetensors), tokenizer.json" + paths.roots_help("checkpoints"),
         )
     )
     if source == "dir" and not value.strip():
@@ -135,12 +135,6 @@ def _described(om):
     return om
 
 
-def _roots_help() -> str:
-    """Where this server looks for checkpoints, when its operator restricted it (ANATOMY_CHECKPOINT_ROOTS)."""
-    named = settings.named_roots()
-    return ". This server opens checkpoints only under: " + ", ".join(escape_md(p) for p in named) if named else ""
-
-
 def _upload_source(notices) -> None:
     server_mb = st.get_option("server.maxUploadSize")
     upload = st.file_uploader(
@@ -161,6 +155,7 @@ def _upload_source(notices) -> None:
     except BAD_INPUT as exc:
         notices.error(f"**Trace file not opened.** {escape_md(str(exc))}", icon=":material/error:")
         return
+    name_upload(entry, upload.name)
     st.session_state["trace_key"] = entry.key
 
 
@@ -287,7 +282,7 @@ def _ensure_current(om: AppModel | None, notices) -> None:
     upload = st.session_state.get("upload")
     if not key.traced and upload is not None:
         try:
-            open_upload(upload.getvalue(), upload.name)
+            name_upload(open_upload(upload.getvalue(), upload.name), upload.name)
             return
         except BAD_INPUT:
             pass
@@ -306,7 +301,7 @@ def _nonfinite_notice(notices) -> None:
         return
     at = "" if bad.position is None else f" at position {bad.position}"
     notices.warning(
-        f"**This trace holds non-finite values** (NaN or infinity), first in `{bad.site}`{at}: "
+        f"**This trace holds non-finite values** (NaN or infinity), first in {code_md(bad.site)}{at}: "
         "the plots from there on show gaps or extreme colours.",
         icon=":material/warning:",
     )
@@ -331,7 +326,7 @@ def _block_selector() -> None:
     )
     trace = entry.trace
     done = "traced" if entry.traced else "read"
-    st.caption(f"Showing {trace.n_tokens} tokens from {entry.origin}, {done} in {entry.seconds:.2f} s")
+    st.caption(f"Showing {trace.n_tokens} tokens from {escape_md(origin(entry))}, {done} in {entry.seconds:.2f} s")
     changed = _changed_since(entry.key) if entry.traced and st.session_state.get("source") != "upload" else []
     if changed:
         st.caption(f":material/edit: Changed since this trace: {', '.join(changed)}. Press **Trace** to see the new one.")

@@ -13,7 +13,8 @@ import streamlit as st
 
 from tracing.tables import to_csv_bytes
 
-from .core.session import View, current
+from .core.markup import escape_md
+from .core.session import View, current, origin
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 log = logging.getLogger(__name__)
@@ -105,8 +106,9 @@ def page_header(title: str, intro: str, view: View | None) -> None:
         prompt = trace.prompt if trace.prompt else " ".join(trace.tokens[:12])
         shown = prompt if len(prompt) <= 140 else prompt[:139] + "…"
         kind = "MoE" if view.config.is_moe(view.block) else "dense"
+        source = escape_md(origin(view.entry))
         st.markdown(
-            f":gray-badge[:material/notes: {trace.n_tokens} tokens] :gray-badge[:material/memory: {view.entry.origin}] "
+            f":gray-badge[:material/notes: {trace.n_tokens} tokens] :gray-badge[:material/memory: {source}] "
             f":blue-badge[block {view.block} · {kind}]  “{escape_md(shown)}”"
         )
 
@@ -118,13 +120,6 @@ def page_view(title: str, intro: str) -> View | None:
     if view is None:
         no_trace()
     return view
-
-
-def escape_md(text: str) -> str:
-    """Text shown as itself in Markdown: a path's underscores or a file name's brackets stay literal."""
-    for ch in "\\`*_[]<>#|$~":
-        text = text.replace(ch, "\\" + ch)
-    return text.replace("\n", " ")
 
 
 def no_trace() -> None:

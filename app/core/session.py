@@ -58,6 +58,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("gen_seed", "the sampling seed; None: a new draw each time", None, kept=True),
     Key("block", "the block the pages show", 0, kept=True),
     Key("trace_key", "the TraceKey of the trace this session shows", None),
+    Key("upload_names", "the names this session gave the trace files it opened, by content digest", {}),
     # pages
     Key("map_block", "Model map: the block whose parameters are listed"),
     Key("anatomy_component", "Block anatomy: the card shown", kept=True),
@@ -191,6 +192,20 @@ class View:
 
     def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         return self.entry.memo(key, compute)
+
+
+def name_upload(entry: Entry, name: str) -> None:
+    """Remember what this session called the trace file ``entry`` was read from. The store shares one
+    entry among every session that uploads the same bytes, so the name is the session's, not the entry's."""
+    st.session_state["upload_names"] = {**st.session_state.get("upload_names", {}), entry.key.sha256: name}
+
+
+def origin(entry: Entry) -> str:
+    """Where ``entry`` came from, for this session's people: a trace file by the name this session gave it."""
+    if entry.traced:
+        return entry.origin
+    name = st.session_state.get("upload_names", {}).get(entry.key.sha256)
+    return f"{entry.origin} {name}" if name else entry.origin
 
 
 def current_entry() -> Entry | None:

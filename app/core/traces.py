@@ -142,7 +142,7 @@ class Entry:
     def __init__(self, key: TraceKey, trace: Trace, origin: str, seconds: float = 0.0):
         self.key = key
         self.trace = trace
-        self.origin = origin  # where it came from, for people: "bundled demo · bfloat16", "trace file x.safetensors"
+        self.origin = origin  # where it came from, for people: "bundled demo · bfloat16", "trace file" (session.origin names it)
         self.seconds = seconds  # tracing (or reading) time
         self.nbytes = sum(t.numel() * t.element_size() for t in trace.tensors.values())
         self._lock = threading.RLock()
@@ -374,4 +374,4 @@ def open_upload(data: bytes, name: str) -> Entry:
         raise
     except Exception as exc:  # anything else a hostile file provokes is still a bad file, not a crash
         raise TraceError(f"{name}: not a readable trace file ({type(exc).__name__}: {exc})") from None
-    return store().put(Entry(key, trace, f"trace file {name}", time.perf_counter() - started))
+    return store().put(Entry(key, trace, "trace file", time.perf_counter() - started))  # the name is the session's

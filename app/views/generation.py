@@ -8,6 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from app import card_view, widgets
+from app.core.markup import code_md, escape_md
 from app.core.session import View
 from app.topics import card_plots, generation, predictions, tokens
 
@@ -47,7 +48,7 @@ def page() -> None:
         else f"sampled at T = {info['temperature']:g}, top-p {info.get('top_p', 1):g}, seed {info.get('seed')}"
     )
     st.caption(
-        f":material/edit_note: {info['generated']} tokens written after a prompt of {start} ({how}); "
+        f":material/edit_note: {escape_md(info['generated'])} tokens written after a prompt of {start} ({escape_md(how)}); "
         f"stopped by {'the end-of-sequence token' if info['stopped'] == 'eos' else 'the length asked for'}. "
         "Colour: the probability each token was written with (red unlikely, green certain); hover a token for more."
     )
@@ -82,9 +83,10 @@ def one_step(view: View, steps: pd.DataFrame) -> int:
     query = step - 1
     row = steps.iloc[step]
     st.markdown(
-        f"Position **{step}** `{tokens.show_token(row['token'], html_escape=False)}` was written with p = "
+        f"Position **{step}** {code_md(tokens.show_token(row['token'], html_escape=False))} was written with p = "
         f"**{row['chosen_prob']:.3f}** (entropy {row['entropy']:.2f} nats) by the pass at position {query} "
-        f"(reading `{tokens.show_token(trace.tokens[query], html_escape=False)}`, {steps['phase'].iloc[query]})."
+        f"(reading {code_md(tokens.show_token(trace.tokens[query], html_escape=False))}, "
+        f"{escape_md(steps['phase'].iloc[query])})."
     )
     return query
 

@@ -7,9 +7,16 @@ from pathlib import Path
 from streamlit.testing.v1 import AppTest
 
 from app.core import settings
+from app.core.markup import JOINER
 
 APP = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
 TIMEOUT = 120  # the first run loads the model and traces the default prompt
+
+
+def messages(elements) -> str:
+    """The elements' text as the browser draws it: Markdown escapes and the word joiners app.core.markup
+    adds removed."""
+    return " ".join(str(e.value) for e in elements).replace("\\", "").replace(JOINER, "")
 
 
 def raised_nothing(at: AppTest) -> AppTest:

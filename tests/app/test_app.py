@@ -20,7 +20,7 @@ from app.topics import cards, model_map
 from app.topics.router import bias_effect, moe_blocks
 from model import kernels
 from model.config import ModelArgs
-from tests.app.apptest import APP, TIMEOUT, start
+from tests.app.apptest import APP, TIMEOUT, messages, start
 from tracing.tables import to_csv_bytes
 
 PAGES = [
@@ -36,11 +36,6 @@ def app(app_checkpoint, monkeypatch) -> AppTest:
 
 def plotly_charts(at: AppTest) -> list:
     return at.get("plotly_chart")
-
-
-def messages(elements) -> str:
-    """The elements' text, Markdown escapes removed."""
-    return " ".join(str(e.value) for e in elements).replace("\\", "")
 
 
 def open_cards(at: AppTest, page: str) -> AppTest:

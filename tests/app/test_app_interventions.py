@@ -15,7 +15,7 @@ from streamlit.testing.v1 import AppTest
 from app.core.models import open_model
 from app.core.traces import Entry, describe_interventions, record_patterns, store
 from app.topics import attribution
-from tests.app.apptest import start
+from tests.app.apptest import messages, start
 from tracing.analyses.attribution import AttributionRequest
 from tracing.analyses.interventions import AblateExperts, AblateHeads, IndexTopK, NoGateBias, ZeroExperts, from_spec
 from tracing.runner import trace_tokens
@@ -26,10 +26,6 @@ PAGE = "views/interventions.py"
 @pytest.fixture()
 def app(app_checkpoint, monkeypatch) -> AppTest:
     return start(monkeypatch, app_checkpoint, PAGE)
-
-
-def messages(elements) -> str:
-    return " ".join(str(e.value) for e in elements).replace("\\", "")
 
 
 def metrics(at: AppTest) -> dict[str, str]:

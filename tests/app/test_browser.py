@@ -289,3 +289,45 @@ def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
             page.locator(".attributed-token").first.wait_for()
     finally:
         stop(model_server)
+
+
+# a file name made of what Streamlit's Markdown would turn into elements
+HOSTILE_NAME = (
+    "![x](http://127.0.0.1:9/x.png) [link](http://example.com) :red[red] **bold** _it_ $x^2$ <b>b</b> "
+    ":smile: `code` ~~gone~~ www.example.com a@example.com.safetensors"
+)
+MARKUP = "img, a, strong, em, code, del, .katex, .stMarkdownColoredText"
+
+
+def trace_bytes(checkpoint: str) -> bytes:
+    """A trace of a short prompt on ``checkpoint``, as a trace file holds it."""
+    from tracing.cli.loading import open_checkpoint, resolve_checkpoint
+    from tracing.runner import TraceRequest, run
+
+    loaded = open_checkpoint(resolve_checkpoint(checkpoint))
+    return run(loaded.model, TraceRequest(prompt="Names are text."), loaded.tokenizer).to_bytes()
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_a_file_name_creates_no_element(server, tmp_path_factory):
+    """An uploaded trace file's name, drawn in the sidebar's caption and the page's badge, is text: no
+    image fetched, no link, colour, emphasis, code or formula made from it."""
+    data = trace_bytes(demo_or_dev_checkpoint(tmp_path_factory.mktemp("names")))
+    fetched = []
+    with open_page(server) as page:
+        page.on("request", lambda request: fetched.append(request.url))
+        page.locator(".js-plotly-plot").first.wait_for()
+        sidebar, main = page.locator('[data-testid="stSidebar"]'), page.locator('[data-testid="stMain"]')
+        sidebar.get_by_text("Trace file", exact=True).click()
+        sidebar.locator('input[type="file"]').set_input_files(
+            {"name": HOSTILE_NAME, "mimeType": "application/octet-stream", "buffer": data}
+        )
+        caption = sidebar.get_by_test_id("stCaptionContainer").filter(has_text="Showing").filter(has_text="trace file")
+        caption.wait_for()
+        badge = main.locator(".stMarkdownBadge", has_text="trace file")
+        badge.wait_for()
+        for where in (caption, badge):
+            assert HOSTILE_NAME in where.inner_text().replace("\u2060", ""), where.inner_text()
+            assert where.locator(MARKUP).count() == 0, where.inner_html()
+        assert badge.locator("span").count() == 1  # its icon, nothing else
+        assert not [url for url in fetched if "127.0.0.1:9/" in url or "example.com" in url]
