@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from model.config import ModelArgs
 from tracing.analyses.attribution import removable
 from tracing.analyses.interventions import AblateHeads, from_spec
+from tracing.errors import InputError
 from tracing.trace import Trace
 
 from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, right_axis, rows_figure, write_cells
@@ -165,7 +166,12 @@ class PerBlock:
         """``LAYER:ID,...`` as block -> ids, as the flag reads it (InputError when it does not parse)."""
         if not text.strip():
             return {}
-        (change,) = from_spec({self.spec_key: text})
+        try:
+            (change,) = from_spec({self.spec_key: text})
+        except InputError:
+            raise
+        except ValueError:  # a digit int() does not read, as '²': the parser's isdigit() took it
+            raise InputError(f"{self.flag} {text!r}: expected LAYER:{self.what},… with the digits 0-9, e.g. 3:17") from None
         return change.heads if isinstance(change, AblateHeads) else change.experts
 
     def picked(self, state: Mapping, cfg: ModelArgs) -> dict[int, list[int]]:
