@@ -1,13 +1,19 @@
-"""The app in a shared deployment: the checkpoint field confined to ANATOMY_CHECKPOINT_ROOTS and
-telling nothing about the server, trace files bounded in size, no tracebacks in the browser, and
-traces with NaN or infinities drawn with a warning instead of crashing a page."""
+"""The app in a shared deployment: every path field (the checkpoint and atlas directories) confined to
+ANATOMY_CHECKPOINT_ROOTS and telling nothing about the server, nor an unpacked upload's directory;
+names drawn as text and kept per session; no server path in a downloaded trace; trace files bounded
+in size, no tracebacks in the browser, and traces with NaN or infinities drawn with a warning
+instead of crashing a page."""
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
+import re
 import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,20 +21,19 @@ from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
 from app import pages
+from app.core.markup import JOINER
 from app.core.traces import store
+from app.topics import atlas as atlas_topic
 from app.topics.router import moe_blocks
 from model.config import ModelArgs
-from tests.app.apptest import TIMEOUT, start
+from tests.app.apptest import APP, TIMEOUT, messages, start
+from tracing.trace import Trace
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = ModelArgs.from_file(REPO / "assets" / "configs" / "config_671B_hf.json")
 PAGES = [p.name for p in pages.PAGES]
 SECRET = "s3cr3t-4f1d"
-
-
-def messages(elements) -> str:
-    """The elements' text, Markdown escapes removed."""
-    return " ".join(str(e.value) for e in elements).replace("\\", "")
+needs_atlas = pytest.mark.skipif(not (atlas_topic.BUNDLED / "summary.json").is_file(), reason="assets/demo_atlas is not built")
 
 
 def everything_shown(at: AppTest) -> str:
@@ -127,6 +132,149 @@ def test_errors_under_the_roots_do_not_quote_the_files(app_checkpoint, monkeypat
     assert "not a loadable checkpoint under the allowed roots" in messages(at.error)
     assert SECRET not in everything_shown(at) and str(allowed) not in messages(at.error)
     assert "broken" in caplog.text and ("config" in caplog.text or "index" in caplog.text)
+
+
+# --- the atlas directory and the zipped atlas --------------------------------------------------------------
+def open_atlas(at: AppTest, path: str) -> AppTest:
+    at.sidebar.radio(key="atlas_source").set_value("dir").run()
+    return at.sidebar.text_input(key="atlas_dir").set_value(path).run()
+
+
+def zipped(files: dict[str, bytes]) -> bytes:
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return archive.getvalue()
+
+
+@needs_atlas
+def test_atlas_directories_under_the_roots_refuse_alike(app_checkpoint, monkeypatch, tmp_path, caplog):
+    """The atlas field is confined as the checkpoint field is: nothing outside the roots opens, and a
+    refusal does not tell a missing directory from a file, a system directory or a file's contents."""
+    allowed = tmp_path / "allowed"
+    shutil.copytree(atlas_topic.BUNDLED, allowed / "atlas")
+    outside = shutil.copytree(atlas_topic.BUNDLED, tmp_path / "outside" / "atlas")
+    (allowed / "link").symlink_to(outside, target_is_directory=True)
+    (allowed / "garbled").mkdir()
+    (allowed / "garbled" / "summary.json").write_bytes(b"\xff\xfe" + SECRET.encode())
+    (allowed / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text(SECRET)
+    at = start(monkeypatch, app_checkpoint, "views/atlas.py", ANATOMY_CHECKPOINT_ROOTS=str(allowed))
+    refused = {
+        "a system directory": "/etc",
+        "a missing directory": "/nonexistent",
+        "an atlas outside": str(outside),
+        "a symlink out of the root": str(allowed / "link"),
+        "'..' out of the root": f"{allowed}/../outside/atlas",
+        "a file outside": str(tmp_path / "notes.txt"),
+        "a non-UTF-8 summary inside": str(allowed / "garbled"),
+        "no summary inside": str(allowed / "empty"),
+        "a missing directory inside": str(allowed / "nowhere"),
+    }
+    shown = {}
+    with caplog.at_level(logging.WARNING, logger="app"):
+        for what, path in refused.items():
+            open_atlas(at, path)
+            assert not at.exception, (what, [e.value for e in at.exception])
+            shown[what] = messages(at.error)
+            assert not at.get("plotly_chart"), what  # nothing opened
+    assert len(set(shown.values())) == 1, shown
+    message = next(iter(shown.values()))
+    assert "Atlas not opened" in message and "not an atlas directory under the allowed roots" in message
+    assert str(tmp_path) not in message and SECRET not in everything_shown(at)
+    assert "garbled" in caplog.text and "/etc" in caplog.text  # the reasons are in the server log
+
+    open_atlas(at, str(allowed / "atlas"))
+    assert not at.error, messages(at.error)
+    assert at.get("plotly_chart")
+
+
+@needs_atlas
+def test_a_zipped_atlas_error_names_the_archive_not_the_server(app_checkpoint, monkeypatch):
+    at = start(monkeypatch, app_checkpoint, "views/atlas.py")
+    at.sidebar.radio(key="atlas_source").set_value("upload").run()
+    for files in ({"summary.json": b"\xff\xfe not utf-8"}, {"summary.json": b'{"format": "other"}'}):
+        data = ("mine.zip", zipped(files), "application/zip")
+        at.sidebar.file_uploader(key="atlas_upload").set_value(data).run()
+        assert not at.exception
+        message = messages(at.error)
+        assert "Atlas not opened" in message and "mine.zip" in message, message
+        assert tempfile.gettempdir() not in message and "atlas-" not in message, message
+
+
+# --- names are text, kept per session ----------------------------------------------------------------------
+HOSTILE_NAME = (
+    "![x](http://127.0.0.1:9/x.png) [link](http://example.com) :red[red] **bold** _it_ $x^2$ <b>b</b> "
+    ":smile: `code` ~~gone~~ www.example.com a@example.com # | \\ .safetensors"
+)
+
+
+def unescaped(markdown: str) -> str:
+    """The text a Markdown source draws when its only markup is backslash escapes (and word joiners)."""
+    return re.sub(r"\\(.)", r"\1", markdown.replace(JOINER, ""))
+
+
+def sidebar_caption(at: AppTest) -> str:
+    return next(str(c.value) for c in at.sidebar.caption if str(c.value).startswith("Showing"))
+
+
+def page_badges(at: AppTest) -> str:
+    return next(str(m.value) for m in at.markdown if ":gray-badge[:material/memory:" in str(m.value))
+
+
+def test_an_uploaded_name_is_drawn_as_text_and_only_in_its_session(app_checkpoint, monkeypatch):
+    """The sidebar and the page badge show the name as typed, escaped (the browser test renders it); a
+    second session uploading the same bytes under another name sees its own name, not the first's."""
+    first = start(monkeypatch, app_checkpoint)
+    data = shown_trace_bytes(first)
+    upload(first, data, HOSTILE_NAME)
+    assert not first.error, messages(first.error)
+    for source in (sidebar_caption(first), page_badges(first)):
+        assert HOSTILE_NAME not in source  # not as raw Markdown
+        assert HOSTILE_NAME in unescaped(source)
+
+    second = AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # another browser session, the same store
+    upload(second, data, "mine.safetensors")
+    assert second.session_state["trace_key"] == first.session_state["trace_key"]  # one entry, shared
+    assert "trace file mine.safetensors" in messages(second.sidebar.caption)
+    assert "127.0.0.1" not in everything_shown(second) and "bold" not in everything_shown(second)
+    first.run()
+    assert "mine.safetensors" not in everything_shown(first)
+    assert HOSTILE_NAME in unescaped(sidebar_caption(first))
+
+
+def shown_trace_bytes(at: AppTest) -> bytes:
+    return store().get(at.session_state["trace_key"]).trace_bytes()
+
+
+# --- downloads ----------------------------------------------------------------------------------------------
+def test_a_downloaded_trace_holds_no_server_path(app_checkpoint, monkeypatch, tmp_path, tiny_checkpoint):
+    """What the Export page serves for a trace made here names the checkpoint as the sidebar does."""
+    private = shutil.copytree(tiny_checkpoint, tmp_path / "srv-private-9f3" / "tiny")
+    at = start(monkeypatch, app_checkpoint)
+    open_directory(at, str(private))
+    at.text_area(key="prompt").set_value("1, 17, 42")  # the tiny checkpoint has no tokenizer
+    at.button(key="run").click().run()
+    assert not at.error, messages(at.error)
+    assert at.session_state["trace_key"].checkpoint == str(private)
+    data = shown_trace_bytes(at.switch_page("views/export.py").run())
+    assert b"srv-private-9f3" not in data and str(tmp_path).encode() not in data
+    trace = Trace.from_bytes(data)
+    assert trace.extra["checkpoint"] == "tiny"
+    assert not any("srv-private-9f3" in value for value in trace.metadata().values())
+
+
+# --- numbers ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["0:²", "²:1", "1:³,0:1"])
+def test_a_digit_int_does_not_read_is_one_error_line(app_checkpoint, monkeypatch, text):
+    """'²' is a digit to str.isdigit() and not to int(): typed as a head or an expert, it is refused in words."""
+    at = start(monkeypatch, app_checkpoint, "views/interventions.py")
+    at.text_input(key="iv_head_text").set_value(text)
+    at.button(key="iv_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Not run" in messages(at.error) and "--ablate-heads" in messages(at.error), messages(at.error)
+    assert "could not be drawn" not in messages(at.error)
 
 
 # --- trace files --------------------------------------------------------------------------------------------
