@@ -121,14 +121,14 @@ def summary_metrics(info: dict, tables: dict, n_layers: int, move: interventions
     cols = st.columns(3)
     frame = tables.get("next_token")
     names = dict(zip(frame["token_id"], frame["token"], strict=True)) if frame is not None else {}
-    shown = lambda i: tokens.show_token(str(names.get(i, f"<{i}>")), html_escape=False)  # noqa: E731
+    shown = lambda i: widgets.escape_md(tokens.show_token(str(names.get(i, f"<{i}>")), html_escape=False))  # noqa: E731
     if "next_token_a" in info:
         before, after = shown(info["next_token_a"]), shown(info["next_token_b"])
         cols[0].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
     if move is not None:
         rank = "still the top prediction" if move.rank_after == 0 else f"now ranked {move.rank_after + 1}"
         cols[1].metric(
-            f"Logit of {widgets.escape_md(shown(move.token_id))}",
+            f"Logit of {shown(move.token_id)}",
             f"{move.after:.3f}",
             f"{move.after - move.before:+.3f}",
             help=f"The baseline's top next token after the last position: logit {move.before:.4f} in the baseline, "
