@@ -78,7 +78,7 @@ def _open() -> Atlas | None:
                 return None
             data = upload.getvalue()
             return _open_zip(hashlib.sha256(data).hexdigest(), data, upload.name, settings.max_upload_bytes())
-        except (AtlasError, InputError, OSError) as exc:
+        except (AtlasError, InputError, OSError, ValueError) as exc:  # ValueError: a NUL byte in a typed path
             st.error(f"**Atlas not opened.** {widgets.escape_md(str(exc))}", icon=":material/error:")
             return None
 

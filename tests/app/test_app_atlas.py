@@ -102,6 +102,8 @@ def test_bad_atlases_give_one_error_and_the_page_stays_usable(app, tmp_path):
     app.sidebar.radio(key="atlas_source").set_value("dir").run()
     app.sidebar.text_input(key="atlas_dir").set_value(str(tmp_path / "nowhere")).run()
     assert not app.exception and "not a directory" in messages(app.error)
+    app.sidebar.text_input(key="atlas_dir").set_value(f"{tmp_path}/a\0b").run()
+    assert not app.exception and "Atlas not opened" in messages(app.error), messages(app.error)
 
     damaged = tmp_path / "damaged"
     shutil.copytree(topic.BUNDLED, damaged)
