@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-from pathlib import Path
 
 from model import kernels
 from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
@@ -24,6 +24,7 @@ from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
 from . import serve
+from .inputs import SEEDS, Parser, finite, integer, is_int, regular_file
 from .loading import (
     add_device_options,
     add_source_options,
@@ -36,13 +37,14 @@ from .loading import (
 from .progress import ProgressBar, stream_bar
 
 BAD_INPUT = (CheckpointError, ConfigError, InputError, TraceError, TokenizerError)
+CONFIG_BYTES = 1 << 20  # a config.json is a few KB; more is not one
 
 
 def _token_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise InputError(f"--token-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    parts = [part for part in text.split(",") if part.strip()]
+    if not all(is_int(part) for part in parts):
+        raise InputError(f"--token-ids {text!r}: expected comma-separated integers like 1,2,3")
+    ids = [int(part) for part in parts]
     if not ids:
         raise InputError("--token-ids is empty: nothing to trace")
     return ids
@@ -51,6 +53,7 @@ def _token_ids(text: str) -> list[int]:
 def _load_patches(path: str) -> dict:
     from safetensors import SafetensorError, safe_open
 
+    path = str(regular_file(path, "patch file"))
     try:
         with safe_open(path, framework="pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}
@@ -177,7 +180,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     a, b = Trace.load(args.a), Trace.load(args.b)
     tables = diff_tables(a, b)
-    line = json.dumps(summary(a, b, tables))
+    line = json.dumps(summary(a, b, tables), allow_nan=False)
     if args.csv:
         write_tables(tables, args.csv)
     print(line)
@@ -195,7 +198,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.checkpoint:
         config = SafetensorsSource(resolve_checkpoint(args.checkpoint)).args
     else:
-        config = ModelArgs.from_file(args.config)
+        config = ModelArgs.from_file(regular_file(args.config, "config file", CONFIG_BYTES))
     out = count_params(config)
     out.update(
         n_layers=config.n_layers,
@@ -213,14 +216,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.tensors:
         specs = expected_specs(config)
         out["tensors"] = {name: [list(s.shape), dtype_name(s.dtype)] for name, s in specs.items()}
-    print(json.dumps(out))
+    print(json.dumps(out, allow_nan=False))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..analyses.evaluate import evaluate
 
-    path = Path(args.text_file)
+    path = regular_file(args.text_file, "text file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -230,7 +233,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     loaded = open_checkpoint(args.checkpoint, parse_device(args.device), parse_dtype(args.dtype))
     if loaded.tokenizer is None:
         raise InputError(f"{loaded.label} has no tokenizer.json: eval needs one")
-    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text)))
+    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text), allow_nan=False))
     return 0
 
 
@@ -253,7 +256,7 @@ _REUSED = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tracing", description=__doc__)
+    parser = Parser(prog="python -m tracing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="trace one prompt into a .safetensors trace file")
@@ -269,21 +272,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_options(run)
     run.add_argument(
         "--prefill",
-        type=int,
+        type=integer(),
         metavar="N",
         help="run the first N positions as one prefill and each later one alone through the decode path "
         "(absorbed attention over the cached latents, as a generation does); default: one prefill of all",
     )
     run.add_argument(
         "--generate",
-        type=int,
+        type=integer(),
         default=0,
         metavar="N",
         help="after the prompt, generate N tokens through the decode path (stops after the end-of-sequence token)",
     )
-    run.add_argument("--temperature", type=float, help="with --generate: 0 (default) is greedy; above 0 samples")
-    run.add_argument("--top-p", type=float, help="with --generate and a temperature: nucleus sampling (0, 1], default 1")
-    run.add_argument("--seed", type=int, help="with --generate and a temperature: the sampling seed (default: drawn, recorded)")
+    run.add_argument("--temperature", type=finite, help="with --generate: 0 (default) is greedy; above 0 samples")
+    run.add_argument("--top-p", type=finite, help="with --generate and a temperature: nucleus sampling (0, 1], default 1")
+    run.add_argument(
+        "--seed", type=integer(*SEEDS), help="with --generate and a temperature: the sampling seed (default: drawn, recorded)"
+    )
     run.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of DeepSeek-V3.2's chat format")
     run.add_argument("--thinking", action="store_true", help="with --chat: the assistant turn starts in thinking mode")
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
@@ -293,13 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ablate-heads", metavar="LAYER:HEAD,...", help="attention heads whose output is zero before wo")
     run.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
     run.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
-    run.add_argument("--index-topk", type=int, help="a different index_topk for the sparse attention")
+    run.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")
     run.add_argument(
         "--attribute",
         action="store_true",
         help="direct logit attribution: the target logit split over the embedding, heads, experts and MLPs",
     )
-    run.add_argument("--position", type=int, help="with --attribute: the position (default: the last)")
+    run.add_argument("--position", type=integer(), help="with --attribute: the position (default: the last)")
     run.add_argument("--target", metavar="TOKEN|ID", help="with --attribute: the token (default: the top prediction there)")
     run.add_argument("--contrast", metavar="TOKEN|ID", help="with --attribute: attribute target minus this token's logit")
     run.set_defaults(func=cmd_run)
@@ -335,9 +340,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so that what it was writing is removed as on Ctrl-C."""
+
+
+def _on_term(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        previous = signal.signal(signal.SIGTERM, _on_term)
+    except ValueError:  # not the main thread: the caller handles its signals
+        previous = None
+    try:
+        args = build_parser().parse_args(argv)
         with kernels.serial_passes():  # a CPU forward's passes on one thread, large products on all
             return args.func(args)
     except BAD_INPUT as exc:
@@ -349,5 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 143
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         _leave_process_group()

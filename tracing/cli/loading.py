@@ -14,6 +14,7 @@ from model.transformer import Transformer
 
 from ..errors import InputError
 from ..tokenizer import Tokenizer
+from .inputs import integer
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "assets" / "demo"
@@ -46,7 +47,7 @@ def add_source_options(parser, synthetic_help: str, server: bool = False) -> Non
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
     src.add_argument("--synthetic", metavar="CONFIG", help=synthetic_help)
-    parser.add_argument("--n-layers", type=int, help="with --synthetic: keep the first N blocks")
+    parser.add_argument("--n-layers", type=integer(), help="with --synthetic: keep the first N blocks")
     if server:
         src.add_argument("--server", metavar="URL", help="a model server (python -m tracing serve) runs it instead")
         parser.add_argument("--token-file", help="with --server: the file holding its bearer token")
@@ -67,6 +68,8 @@ def parse_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise InputError(f"--device {name!r} is not a device (cpu or cuda)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {name!r}: the model runs on cpu or cuda, not {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available here")
     return device

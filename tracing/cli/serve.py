@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..errors import InputError
+from .inputs import finite, integer
 from .loading import add_device_options, add_source_options, open_from_args, parse_device, parse_dtype
 
 DEFAULT_PORT = 8600
@@ -33,16 +34,18 @@ def add_parser(sub) -> None:
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default loopback; any other needs --token-file)"
     )
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=integer(), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--token-file", help="file holding the bearer token every client must send (Authorization: Bearer ...)")
-    serve.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt a request may bring (default 4096)")
-    serve.add_argument("--max-generate", type=int, default=512, help="most tokens a request may generate (default 512)")
-    serve.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, patches included (default 64)")
-    serve.add_argument("--max-patch-mb", type=float, default=64.0, help="largest patches of a request (default 64)")
-    serve.add_argument("--max-seconds", type=float, default=600.0, help="a request is stopped after this long (default 600)")
-    serve.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the model (default 8)")
     serve.add_argument(
-        "--collective-timeout", type=float, default=60.0, help="under torchrun: seconds a rank waits for another (default 60)"
+        "--max-prompt-tokens", type=integer(), default=4096, help="longest prompt a request may bring (default 4096)"
+    )
+    serve.add_argument("--max-generate", type=integer(), default=512, help="most tokens a request may generate (default 512)")
+    serve.add_argument("--max-body-mb", type=finite, default=64.0, help="largest request body, patches included (default 64)")
+    serve.add_argument("--max-patch-mb", type=finite, default=64.0, help="largest patches of a request (default 64)")
+    serve.add_argument("--max-seconds", type=finite, default=600.0, help="a request is stopped after this long (default 600)")
+    serve.add_argument("--max-queue", type=integer(), default=8, help="requests that may wait for the model (default 8)")
+    serve.add_argument(
+        "--collective-timeout", type=finite, default=60.0, help="under torchrun: seconds a rank waits for another (default 60)"
     )
     serve.set_defaults(func=cmd_serve)
 
