@@ -6,14 +6,14 @@ health: the CLI notes the first such site in the trace's metadata and on stderr,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
 from model.config import ModelArgs
 
-from .sites import site_shapes
+from .sites import site_name, site_shapes
 
 # -inf is how these sites mark the keys a query may not see; anywhere else it is as wrong as NaN
 MASKED_WITH_INF = ("attn.indexer.scores", "attn.scores")
@@ -47,16 +47,33 @@ def _clean(value: torch.Tensor, masked: bool) -> bool:
     return top < float("inf") if masked else top < float("inf") and float(value.amin()) > float("-inf")
 
 
-def first_nonfinite(tensors: Mapping[str, torch.Tensor], config: ModelArgs, n_tokens: int) -> NonFinite | None:
+def intervention_masks(interventions: Iterable) -> set[str]:
+    """The sites where an intervention writes -inf itself: ablated experts leave the biased scores
+    (and a group left without two experts, its group score) at -inf, which says nothing of the
+    model's health and must not hide a later NaN."""
+    from .analyses.interventions import AblateExperts
+
+    out = set()
+    for intervention in interventions:
+        if isinstance(intervention, AblateExperts):
+            out |= {site_name(b, s) for b in intervention.experts for s in ("ffn.gate.biased_scores", "ffn.gate.group_scores")}
+    return out
+
+
+def first_nonfinite(
+    tensors: Mapping[str, torch.Tensor], config: ModelArgs, n_tokens: int, masked: Collection[str] = ()
+) -> NonFinite | None:
     """The earliest site, in the order the model computes them, holding a non-finite value, and the
-    first position there."""
+    first position there; -inf is allowed at the masking sites and at ``masked``
+    (:func:`intervention_masks`)."""
     rank = {name: i for i, name in enumerate(site_shapes(config))}
     for name in sorted(tensors, key=lambda n: _forward_order(n, rank, config.n_layers)):
         value = tensors[name]
-        if not value.is_floating_point() or not value.numel() or _clean(value, name.endswith(MASKED_WITH_INF)):
+        inf_ok = name.endswith(MASKED_WITH_INF) or name in masked
+        if not value.is_floating_point() or not value.numel() or _clean(value, inf_ok):
             continue
         bad = value.isnan() | (value == float("inf"))
-        if not name.endswith(MASKED_WITH_INF):
+        if not inf_ok:
             bad |= value == float("-inf")
         if not bad.any():
             continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -29,8 +30,9 @@ from model.transformer import Transformer
 from .analyses.attribution import AttributionRequest
 from .analyses.interventions import Intervention, from_spec
 from .chat import encode_chat
+from .cli.inputs import SEEDS
 from .errors import InputError
-from .nonfinite import first_nonfinite
+from .nonfinite import first_nonfinite, intervention_masks
 from .sampling import Sampling, choose
 from .tokenizer import Tokenizer
 from .trace import Trace
@@ -104,6 +106,11 @@ class TraceRequest:
         for flag, value in (("--temperature", self.temperature), ("--top-p", self.top_p), ("--seed", self.seed)):
             if value is not None and not self.generate:
                 raise InputError(f"{flag} applies to --generate")
+        if self.seed is not None and not SEEDS[0] <= self.seed <= SEEDS[1]:
+            raise InputError(f"--seed {self.seed}: must be between {SEEDS[0]} and {SEEDS[1]}")
+        for flag, value in (("--temperature", self.temperature), ("--top-p", self.top_p)):
+            if value is not None and not math.isfinite(value):
+                raise InputError(f"{flag} {value}: must be a finite number")
         self.sampling()
         if not self.attribute:
             for flag, value in (("--position", self.position), ("--target", self.target), ("--contrast", self.contrast)):
@@ -243,6 +250,8 @@ def run(
     attribution = None
     if request.attribute:
         target, contrast = (token_id(f"--{k}", getattr(request, k), tokenizer) for k in ("target", "contrast"))
+        if contrast is not None and target == contrast:
+            raise InputError(f"--target and --contrast are both token {target}: the difference of a logit with itself is 0")
         attribution = AttributionRequest(request.position, target, contrast)
     return trace_tokens(
         model,
@@ -383,7 +392,7 @@ def trace_tokens(
             "stopped": stopped or "length",
             **sampling.describe(),
         }
-    if (bad := first_nonfinite(values, model.args, len(ids))) is not None:
+    if (bad := first_nonfinite(values, model.args, len(ids), intervention_masks(interventions))) is not None:
         info["nonfinite"] = bad.as_dict()
     if patches:
         info["patched"] = sorted(patches)
