@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ VERSION = "1"
 # DeepSeek model (61 blocks, 256 experts), so a small file cannot claim work without end.
 MAX_LAYERS = 4096
 MAX_EXPERTS = 4096
+MAX_EXPERT_ROWS = 1 << 22  # MoE blocks held x experts: the rows of a table per block and expert (real: 58 x 256)
 
 
 class TraceError(ValueError):
@@ -80,7 +82,7 @@ class Trace:
             ),
             "tokens": json.dumps(self.tokens, ensure_ascii=False),
             "prompt": self.prompt,
-            "extra": json.dumps(self.extra),
+            "extra": json.dumps(self.extra, allow_nan=False),
         }
 
     def to_bytes(self) -> bytes:
@@ -96,9 +98,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
-        path = Path(path)
-        if not path.is_file():
-            raise TraceError(f"{path}: no such trace file")
+        path = _regular(Path(path))
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -176,6 +176,82 @@ class Trace:
         vocab = self.extra.get("vocab", {})
         if not isinstance(vocab, dict) or not all(isinstance(v, str) for v in vocab.values()):
             raise TraceError("metadata 'extra': 'vocab' is not a map of token ids to strings")
+        _check_extra(self.extra, n)
+        _check_groups(self)
+        _check_widths(self)
+
+
+def _regular(path: Path) -> Path:
+    """A trace is mapped from a regular file: a directory, a FIFO or a /proc file cannot be."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace file ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise TraceError(f"{path}: is a directory, not a trace file")
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        raise TraceError(f"{path}: not a regular file with data (a FIFO, device or /proc file?): not a trace file")
+    return path
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_extra(extra: dict, n: int) -> None:
+    """The run's records that the tables and pages read (tracing.tables.frames, app/topics): of the
+    types and within the positions they index with."""
+    fields = {
+        "prefill": lambda v: _is_int(v) and 1 <= v <= n,
+        "generation": lambda v: (
+            isinstance(v, dict)
+            and _is_int(v.get("start"))
+            and 0 <= v["start"] <= n
+            and _is_int(v.get("generated", 0))
+            and v.get("generated", 0) >= 0
+        ),
+        "attribution": lambda v: (
+            isinstance(v, dict)
+            and all(v.get(k) is None or _is_int(v[k]) for k in ("position", "target", "contrast"))
+            and (v.get("position") is None or 0 <= v["position"] < n)
+        ),
+        "nonfinite": lambda v: (
+            isinstance(v, dict) and isinstance(v.get("site"), str) and (v.get("position") is None or _is_int(v["position"]))
+        ),
+    }
+    for key, ok in fields.items():
+        if key in extra and not ok(extra[key]):
+            raise TraceError(f"metadata 'extra': {key!r} is not what a run records ({json.dumps(extra[key])[:80]})")
+
+
+# sites read together: a trace holding one of a group holds all of them (per block for BLOCK_GROUPS)
+SITE_GROUPS = (("next.topk_indices", "next.topk_probs"), ("attribution.total", "attribution.embed", "attribution.rest"))
+BLOCK_GROUPS = (("attn.attribution", "ffn.attribution"),)
+
+
+def _check_groups(trace: Trace) -> None:
+    names = [(group, group) for group in SITE_GROUPS]
+    for group in BLOCK_GROUPS:
+        for block in sorted({b for suffix in group for b in trace.layers_with(suffix)}):
+            names.append((group, tuple(site_name(block, suffix) for suffix in group)))
+    for _, group in names:
+        held = [name for name in group if name in trace.tensors]
+        if held and len(held) < len(group):
+            missing = next(name for name in group if name not in trace.tensors)
+            raise TraceError(f"tensor {held[0]!r} comes with {missing!r}, which the file lacks")
+
+
+def _check_widths(trace: Trace) -> None:
+    """Tables of one row per block and expert (expert load) grow with the config's width, not the
+    file: a file of one token in many blocks must not claim millions of rows."""
+    blocks = len(trace.layers_with("ffn.gate.topk_indices"))
+    if blocks * trace.config.n_routed_experts > MAX_EXPERT_ROWS:
+        raise TraceError(
+            f"{blocks} routed blocks of {trace.config.n_routed_experts} experts: more than {MAX_EXPERT_ROWS:,} "
+            "block-expert rows, not a trace of a model this code traces"
+        )
 
 
 def _check_limits(config: ModelArgs) -> None:

@@ -17,8 +17,10 @@ _STREAM = ("resid_pre", "resid_mid", "resid_post")
 def _check(a: Trace, b: Trace) -> None:
     if a.token_ids != b.token_ids:
         raise InputError("the traces are of different prompts (token ids differ): nothing to compare position by position")
-    if a.config.n_layers != b.config.n_layers or a.config.dim != b.config.dim:
-        raise InputError("the traces come from models of different shapes")
+    for name in ("n_layers", "dim", "vocab_size"):  # the streams and the next-token distributions compared entry by entry
+        x, y = getattr(a.config, name), getattr(b.config, name)
+        if x != y:
+            raise InputError(f"the traces come from models of different shapes ({name} {x} and {y})")
 
 
 def _sets(x: np.ndarray) -> list[frozenset]:

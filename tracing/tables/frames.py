@@ -94,36 +94,46 @@ def residual_table(trace: Trace) -> pd.DataFrame:
 
 
 def router_table(trace: Trace) -> pd.DataFrame:
-    """Per MoE block, position and expert: score, biased score, whether chosen, its rank and weight."""
+    """Per MoE block, position and expert: score, biased score, whether chosen, its rank and weight.
+    A block whose scores are not recorded has rows for its chosen experts only: every expert's row
+    would say no more than "not chosen", and T x E rows from T x k indices would let a small file
+    (claiming thousands of experts) cost gigabytes."""
     cfg = trace.config
     per_group = cfg.n_routed_experts // cfg.n_expert_groups
-    n, e = trace.n_tokens, cfg.n_routed_experts
-    pos, tok = _positions(trace)
+    e = cfg.n_routed_experts
+    _, tok = _positions(trace)
     frames = []
     for i in trace.layers_with("ffn.gate.topk_indices"):
         idx = trace.site(i, "ffn.gate.topk_indices").numpy()  # (T, k)
-        rank = index_grid(idx, e, np.arange(idx.shape[1]), -1, np.int64)  # (T, E)
+        scores = {c: trace.site(i, f"ffn.gate.{s}") for s, c in (("scores", "score"), ("biased_scores", "biased_score"))}
+        scored = any(v is not None for v in scores.values())
+        t, x, rank = _router_rows(idx, e, scored)
         w = trace.site(i, "ffn.gate.topk_weights")
-        weight = index_grid(idx, e, 0 if w is None else w.numpy(), 0, np.float32)  # (T, E)
-        data = {
-            "layer": i,
-            "position": np.repeat(pos, e),
-            "token": np.repeat(tok, e),
-            "expert": np.tile(np.arange(e), n),
-            "group": np.tile(np.arange(e) // per_group, n),
-        }
-        for site, column in (("scores", "score"), ("biased_scores", "biased_score")):
-            if trace.site(i, f"ffn.gate.{site}") is not None:
-                data[column] = trace.site(i, f"ffn.gate.{site}").numpy().ravel()
+        weight = np.zeros(len(t), dtype=np.float32) if w is None else np.where(rank >= 0, w.numpy()[t, rank.clip(0)], 0)
+        data = {"layer": i, "position": t, "token": tok[t], "expert": x, "group": x // per_group}
+        for column, value in scores.items():
+            if value is not None:
+                data[column] = value.numpy()[t, x]
         groups = trace.site(i, "ffn.gate.groups")
         if groups is not None:
             chosen = index_grid(groups.numpy(), cfg.n_expert_groups)  # (T, G)
-            data["group_chosen"] = chosen[:, np.arange(e) // per_group].ravel()
-        data["selected"] = rank.ravel() >= 0
-        data["rank"] = rank.ravel()
-        data["weight"] = weight.ravel()
+            data["group_chosen"] = chosen[t, x // per_group]
+        data["selected"] = rank >= 0
+        data["rank"] = rank
+        data["weight"] = weight.astype(np.float32)
         frames.append(pd.DataFrame(data))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _router_rows(idx: np.ndarray, e: int, every: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The router table's rows, position by position and expert by expert: (position, expert, the
+    choice's rank or -1), for every expert or only the chosen."""
+    n, k = idx.shape
+    if every:
+        rank = index_grid(idx, e, np.arange(k), -1, np.int64)  # (T, E)
+        return np.repeat(np.arange(n), e), np.tile(np.arange(e), n), rank.ravel()
+    order = np.argsort(idx, axis=1, kind="stable")  # (T, k): the choices by expert id
+    return np.repeat(np.arange(n), k), np.take_along_axis(idx, order, axis=1).ravel(), order.ravel()
 
 
 def expert_load_table(trace: Trace) -> pd.DataFrame:
@@ -178,9 +188,12 @@ def indexer_table(trace: Trace) -> pd.DataFrame:
     attention probability (mean over heads) when recorded."""
     n = trace.n_tokens
     pos, tok = _positions(trace)
+    blocks = trace.layers_with("attn.indexer.scores")
+    if not blocks:  # the pairs cost T^2 / 2: only for scores the file holds (as many)
+        return pd.DataFrame()
     q, k = np.tril_indices(n)  # visible (query, key) pairs, row by row
     frames = []
-    for i in trace.layers_with("attn.indexer.scores"):
+    for i in blocks:
         data = {
             "layer": i,
             "query": q,
