@@ -38,11 +38,12 @@ import torch.distributed as dist
 
 from model.config import ModelArgs
 
+from ..cli.inputs import parse_float, parse_int
 from ..cli.output import Outputs, check_directory, write_file
 from ..cli.progress import ProgressBar
 from ..errors import InputError
 from .corpus import Corpus, Source
-from .counts import FIXED, RECALL_BINS, AtlasCounts
+from .counts import FIXED, RECALL_BINS, AtlasCounts, check_state
 from .tables import COLUMNS, imbalance, tables
 
 FORMAT = "deepseek-v32-atlas"
@@ -95,6 +96,48 @@ def read_atlas(path: str | os.PathLike) -> Atlas:
     return Atlas(found, summary, path)
 
 
+def shard_fingerprint(directory: str | os.PathLike) -> list[list]:
+    """The checkpoint's weight files by name, size and modification time: a resumed run must count
+    with the weights it started with, and weights replaced in place keep the directory's name."""
+    directory = Path(directory)
+    try:
+        files = sorted(p for p in directory.iterdir() if p.name.endswith(".safetensors"))
+        return [[p.name, (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
+    except OSError as exc:
+        raise AtlasError(f"{directory}: cannot list the weight files ({exc.strerror or exc})") from None
+
+
+def _check_ours(out: Path) -> None:
+    """Writing an atlas replaces its files (summary.json, the Parquet tables): refuse a directory
+    that holds files and is not an atlas, whose own files of those names would be lost."""
+    try:
+        entries = [name for name in os.listdir(out) if not (name.startswith(".") and name.endswith(".tmp"))]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise AtlasError(f"{out}: cannot list the directory ({exc.strerror or exc})") from None
+    if entries and not _is_atlas(out):
+        raise AtlasError(f"{out}: holds files and is not an atlas directory; refusing to write into it (give a new or empty one)")
+
+
+def _is_atlas(out: Path) -> bool:
+    """A finished atlas (its summary.json) or one under way (its checkpoint), of this format."""
+    from safetensors import SafetensorError, safe_open
+
+    summary, state = out / SUMMARY, out / STATE
+    try:
+        if summary.is_file() and summary.stat().st_size < 1 << 24:
+            data = json.loads(summary.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and data.get("format") == FORMAT:
+                return True
+        if state.is_file():
+            with safe_open(str(state), framework="pt") as f:
+                return (f.metadata() or {}).get("format") == f"{FORMAT}-state"
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, SafetensorError):
+        return False
+    return False
+
+
 def _ranks() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -123,10 +166,12 @@ class AtlasJob:
     label: str = ""
     resume: bool = False
     leaders: object = None  # with the model split per node: the group of each replica's first rank
+    weights: list | None = None  # the checkpoint's weight files (shard_fingerprint); None: synthetic weights
     done: int = field(default=0, init=False)  # batches counted by the checkpoint resumed
 
     def __post_init__(self):
         self.out = check_directory(self.out)
+        _check_ours(self.out)
         limit = self.args.max_seq_len
         if self.seq_len is None:
             self.seq_len = min(DEFAULT_SEQ_LEN, limit)
@@ -150,6 +195,7 @@ class AtlasJob:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "max_tokens": self.max_tokens,
+            "weights": self.weights,
         }
         self._state: dict[str, torch.Tensor] | None = None
         self._seconds = 0.0
@@ -173,17 +219,20 @@ class AtlasJob:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 state = {name: f.get_tensor(name) for name in f.keys()}
-            run, done, seconds = json.loads(meta["run"]), int(meta["done_batches"]), float(meta["seconds"])
+            run = json.loads(meta["run"])
+            done, seconds = parse_int(meta["done_batches"], "done_batches"), parse_float(meta["seconds"], "seconds")
             if not isinstance(run, dict):
                 raise ValueError("no description of its run")
-        except (SafetensorError, OSError, ValueError, KeyError) as exc:
+        except (SafetensorError, OSError, ValueError, KeyError, RecursionError) as exc:
             raise AtlasError(f"{path}: not a readable atlas checkpoint ({exc})") from None
         for key, want in self.fingerprint.items():
             if run.get(key) != want:
-                what = "the texts differ" if key == "inputs" else f"{key} {run.get(key)!r} there, {want!r} here"
+                what = {"inputs": "the texts differ", "weights": "the checkpoint's weight files changed since"}.get(key)
+                what = what or f"{key} {run.get(key)!r} there, {want!r} here"
                 raise AtlasError(f"--resume: {path} is the checkpoint of another run ({what})")
-        if not 0 <= done <= self.survey.batches:
-            raise AtlasError(f"{path}: {done} batches done of {self.survey.batches}")
+        if not 0 <= done <= self.survey.batches or seconds < 0:
+            raise AtlasError(f"{path}: {done} batches done of {self.survey.batches} in {seconds} s")
+        check_state(state, self.args, self.seq_len, str(path))
         self._state, self.done, self._seconds = state, done, seconds
 
     def _state_bytes(self, state: dict[str, torch.Tensor], done: int, seconds: float) -> bytes:
@@ -313,7 +362,8 @@ class AtlasJob:
             folder = out.directory(self.out, stale=FILES)
             for name, frame in found.items():
                 folder.write(f"{name}.parquet", lambda path, frame=frame: frame.to_parquet(path, index=False))
-            folder.write(SUMMARY, lambda path: path.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8"))
+            text = json.dumps(summary, indent=1, allow_nan=False) + "\n"
+            folder.write(SUMMARY, lambda path: path.write_text(text, encoding="utf-8"))
             folder.write(STATE, lambda path: path.write_bytes(state_bytes))
         return summary
 

@@ -22,7 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cli.inputs import regular_file
 from ..errors import InputError
+
+MARGIN = 64  # tokens past a text's budget, tokenised and dropped (see Corpus._encode)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ def _texts(source: Source) -> Iterator[str]:
                     record = json.loads(_decode(line, where))
                 except json.JSONDecodeError as exc:
                     raise InputError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                except RecursionError:
+                    raise InputError(f"{where}: JSON nested too deeply") from None
                 if not isinstance(record, dict) or source.field not in record:
                     raise InputError(f"{where}: no field {source.field!r} (choose another with --field)")
                 text = record[source.field]
@@ -114,6 +119,8 @@ class Corpus:
             raise InputError(f"--batch-size {batch_size}: must be at least 1")
         if max_tokens is not None and max_tokens < 2:
             raise InputError(f"--max-tokens {max_tokens}: must be at least 2")
+        for source in sources:
+            regular_file(source.path, "text file" if source.field is None else "JSON Lines file")
         self.sources = sources
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -133,7 +140,7 @@ class Corpus:
                 if not text.strip():
                     info["empty_records"] += 1
                     continue
-                ids = self.tokenizer.encode(text, add_bos=False)
+                ids = self._encode(text, left)
                 info["texts"] += 1
                 for start in range(0, len(ids), span):
                     seq = ([bos] if bos is not None else []) + ids[start : start + span]
@@ -155,6 +162,20 @@ class Corpus:
                 survey.inputs.append(info)
             if left is not None and left < 2:
                 break
+
+    def _encode(self, text: str, budget: int | None) -> list[int]:
+        """The text's token ids; with a budget, its first ``budget`` only, from a prefix of the text
+        grown until it gives MARGIN tokens more (a cut can change only the last tokens), so a huge
+        text costs what the budget needs. The same text and budget give the same ids every time."""
+        if budget is None:
+            return self.tokenizer.encode(text, add_bos=False)
+        size = max(4 * (budget + MARGIN), 1 << 12)  # characters: a token rarely spans more than 4
+        while size < len(text):
+            ids = self.tokenizer.encode(text[:size], add_bos=False)
+            if len(ids) > budget + MARGIN:
+                return ids[:budget]
+            size *= 4
+        return self.tokenizer.encode(text, add_bos=False)[:budget]
 
     def batches(self, survey: Survey | None = None) -> Iterator[list[list[int]]]:
         """Batches of equal-length sequences, in the run's fixed order (see the module's docstring)."""

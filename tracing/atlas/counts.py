@@ -71,6 +71,59 @@ def far_pairs(sequences: np.ndarray, first: int) -> np.ndarray:
     return np.where(stop >= start, prefix[np.minimum(stop + 1, n)] - prefix[start], 0)
 
 
+def total_shapes(args: ModelArgs, seq_len: int) -> dict[str, tuple[int, ...]]:
+    """Every dense total and its shape (int64 each), for a model of ``args`` and sequences of at most ``seq_len``."""
+    e, v, n, m = args.n_routed_experts, args.vocab_size, args.n_layers, args.n_layers - args.n_dense_layers
+    return {
+        "tokens": (1,),
+        "sequences": (1,),
+        "token_count": (v,),
+        "expert_count": (m, e),
+        "weight_sum": (m, e),  # units of 2^-24
+        "pair_count": (m, e * e),  # expert_a * E + expert_b, a < b
+        "group_count": (m, args.n_expert_groups),
+        "bias_tokens": (m,),
+        "bias_selections": (m,),
+        "distance": (n, seq_len),  # selected keys by query position - key position
+        "recall_hist": (n, RECALL_BINS),
+        "recall_sum": (n,),  # units of 2^-24
+        "recall_queries": (n,),
+        "length_count": (seq_len + 1,),  # sequences by length
+        "sink_position_selected": (n, seq_len),  # picks from afar, by key position
+        "sink_token_selected": (n, v),  # picks from afar, by the key's token
+        "sink_token_visible": (v, len(sink_bins(seq_len)[0])),  # pairs from afar, by token and sink_bins bin
+    }
+
+
+SPARSE = ("expert_token_keys", "expert_token_counts")
+MAX_TOTAL = 1 << 62  # far above any corpus's count, and room to add batches without overflowing int64
+
+
+def check_state(state: dict[str, torch.Tensor], args: ModelArgs, seq_len: int, where: str) -> None:
+    """A checkpoint's totals, before any batch runs: each total of its shape, int64, none negative
+    or near overflow (a table would show negative counts), the expert-token keys within their
+    space. A damaged file is refused, never counted on."""
+    shapes = total_shapes(args, seq_len)
+    unknown = sorted(set(state) - set(shapes) - set(SPARSE))
+    if unknown:
+        raise InputError(f"{where}: holds {unknown[0]!r}, no total of an atlas checkpoint")
+    for name, shape in shapes.items():
+        got = state.get(name)
+        if got is None or tuple(got.shape) != shape or got.dtype != torch.int64:
+            raise InputError(f"{where}: {name} is missing or of another shape or type; not a checkpoint of this run")
+    keys, counts = (state.get(name) for name in SPARSE)
+    if keys is None or counts is None or keys.dtype != torch.int64 or counts.dtype != torch.int64:
+        raise InputError(f"{where}: the expert-token counts are missing or not int64")
+    if keys.dim() != 1 or keys.shape != counts.shape:
+        raise InputError(f"{where}: the expert-token keys and counts are not two lists of one length")
+    space = len(range(args.n_dense_layers, args.n_layers)) * args.n_routed_experts * args.vocab_size
+    if keys.numel() and not (0 <= int(keys.min()) and int(keys.max()) < space):
+        raise InputError(f"{where}: an expert-token key outside 0..{space - 1}")
+    for name, value in state.items():
+        if name != "expert_token_keys" and value.numel() and not 0 <= int(value.min()) <= int(value.max()) <= MAX_TOTAL:
+            raise InputError(f"{where}: {name} holds a negative or impossibly large count")
+
+
 class SparseCounts:
     """Counts keyed by int64, for key spaces too large to hold densely (block x expert x token of
     the 671B model: 1.9e9 keys): sorted unique keys and their counts, plus keys not merged yet."""
@@ -116,26 +169,7 @@ class AtlasCounts:
         self.device = torch.device(device)
         self.moe = list(range(args.n_dense_layers, args.n_layers))
         self.rule = RouterRule.of(args)
-        e, v, n, m = args.n_routed_experts, args.vocab_size, args.n_layers, len(self.moe)
-        shapes = {
-            "tokens": (1,),
-            "sequences": (1,),
-            "token_count": (v,),
-            "expert_count": (m, e),
-            "weight_sum": (m, e),  # units of 2^-24
-            "pair_count": (m, e * e),  # expert_a * E + expert_b, a < b
-            "group_count": (m, args.n_expert_groups),
-            "bias_tokens": (m,),
-            "bias_selections": (m,),
-            "distance": (n, seq_len),  # selected keys by query position - key position
-            "recall_hist": (n, RECALL_BINS),
-            "recall_sum": (n,),  # units of 2^-24
-            "recall_queries": (n,),
-            "length_count": (seq_len + 1,),  # sequences by length
-            "sink_position_selected": (n, seq_len),  # picks from afar, by key position
-            "sink_token_selected": (n, v),  # picks from afar, by the key's token
-            "sink_token_visible": (v, len(sink_bins(seq_len)[0])),  # pairs from afar, by token and sink_bins bin
-        }
+        shapes = total_shapes(args, seq_len)
         self.totals = {name: torch.zeros(shape, dtype=torch.int64, device=self.device) for name, shape in shapes.items()}
         self.expert_tokens = SparseCounts(self.device)  # key (moe slot * E + expert) * V + token id
         pairs = torch.triu_indices(args.n_activated_experts, args.n_activated_experts, 1, device=self.device)
@@ -283,11 +317,9 @@ class AtlasCounts:
 
     def load(self, state: dict[str, torch.Tensor], where: str) -> None:
         """Totals from :meth:`state` (a checkpoint's), replacing these."""
+        check_state(state, self.args, self.seq_len, where)
         for name, value in self.totals.items():
-            got = state.get(name)
-            if got is None or got.shape != value.shape or got.dtype != value.dtype:
-                raise InputError(f"{where}: {name} is missing or of another shape; not a checkpoint of this run")
-            value.copy_(got)
+            value.copy_(state[name])
         self.expert_tokens.clear()
         self.expert_tokens.add(state["expert_token_keys"].to(self.device), state["expert_token_counts"].to(self.device))
         self.expert_tokens.consolidate()

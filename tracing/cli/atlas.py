@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
+from .inputs import finite, integer
 from .loading import add_device_options, add_source_options
 
 
@@ -25,10 +26,10 @@ def add_parser(sub) -> None:
     atlas.add_argument("--field", default="text", help="with --jsonl: the field that holds the text (default text)")
     atlas.add_argument("--out", required=True, metavar="DIR", help="the atlas directory (tables, summary.json, checkpoint)")
     atlas.add_argument(
-        "--seq-len", type=int, help="positions per sequence, BOS included (default 512, at most the model's limit)"
+        "--seq-len", type=integer(), help="positions per sequence, BOS included (default 512, at most the model's limit)"
     )
-    atlas.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default 4)")
-    atlas.add_argument("--max-tokens", type=int, metavar="N", help="stop after N positions of the corpus")
+    atlas.add_argument("--batch-size", type=integer(), default=4, help="sequences per forward pass (default 4)")
+    atlas.add_argument("--max-tokens", type=integer(), metavar="N", help="stop after N positions of the corpus")
     add_device_options(atlas)
     atlas.add_argument(
         "--parallel",
@@ -39,16 +40,18 @@ def add_parser(sub) -> None:
     )
     atlas.add_argument(
         "--model-ranks",
-        type=int,
+        type=integer(),
         metavar="M",
         help="with --parallel model: split the model over groups of M consecutive ranks (a node's GPUs) and share "
         "the batches between the groups (nodes); default: every rank in one group",
     )
     atlas.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out (no batch counted twice)")
     atlas.add_argument(
-        "--checkpoint-every", type=float, default=300.0, metavar="SECONDS", help="write the checkpoint this often (default 300)"
+        "--checkpoint-every", type=finite, default=300.0, metavar="SECONDS", help="write the checkpoint this often (default 300)"
     )
-    atlas.add_argument("--min-count", type=int, default=5, help="fewest occurrences of a token (or expert-token pair) to rank")
+    atlas.add_argument(
+        "--min-count", type=integer(), default=5, help="fewest occurrences of a token (or expert-token pair) to rank"
+    )
     atlas.set_defaults(func=cmd_atlas)
 
 
@@ -58,6 +61,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
     from model.synthetic import synthetic_source
 
     from ..atlas import AtlasJob
+    from ..atlas.build import shard_fingerprint
     from ..atlas.corpus import Source
     from ..tokenizer import Tokenizer
     from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint
@@ -65,6 +69,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     if args.checkpoint_every < 0:
         raise InputError(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more seconds")
+    weights = None
     sources = [Source(Path(f)) for f in args.text_file or ()] + [Source(Path(f), args.field) for f in args.jsonl or ()]
     if args.synthetic:
         if args.tokenizer is None:
@@ -83,6 +88,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
         if not (directory / "tokenizer.json").is_file():
             raise InputError(f"{directory} has no tokenizer.json: the atlas reads text")
         tokenizer, label = Tokenizer(directory), "demo" if directory == DEMO else str(directory.resolve())
+        weights = shard_fingerprint(directory)
     job = AtlasJob(
         sources,
         tokenizer,
@@ -94,6 +100,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
         min_count=args.min_count,
         label=label,
         resume=args.resume,
+        weights=weights,
     )
     group = None
     if args.model_ranks is not None:
