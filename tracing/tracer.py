@@ -335,6 +335,10 @@ def _check_indices(name: str, value: torch.Tensor, args: ModelArgs, start_pos: i
         low, high, what = -1, start_pos + value.shape[-2], "key positions (or -1)"
     if value.numel() and (int(value.min()) < low or int(value.max()) >= high):
         raise InputError(f"{name}: forced values must be {what} in {low}..{high - 1}")
+    if ".ffn.gate." in name and value.shape[-1] > 1:
+        ordered = value.sort(dim=-1).values
+        if (ordered[..., 1:] == ordered[..., :-1]).any():  # its weight would count twice, another expert not at all
+            raise InputError(f"{name}: a position's forced {what} name one of them twice")
 
 
 __all__ = ["Tracer"]

@@ -301,9 +301,18 @@ MISLEADING = {
 }
 
 
-@pytest.mark.parametrize("case", [*MISLEADING, "--checkpoint-every nan", "wrong messages"])
+@pytest.mark.parametrize("case", [*MISLEADING, "a patch forcing one expert twice", "--checkpoint-every nan", "wrong messages"])
 def test_nothing_is_silent_or_misleading(capsys, tmp_path, tiny_checkpoint, case):
-    if case in MISLEADING:
+    if case == "a patch forcing one expert twice":
+        chosen = torch.arange(TINY.n_activated_experts).repeat(3, 1)
+        chosen[1, 1] = chosen[1, 0]
+        save_file({"layers.1.ffn.gate.topk_indices": chosen}, str(tmp_path / "p.safetensors"))
+        argv = ["run", "--checkpoint", tiny_checkpoint, "--token-ids", "1,2,3", "--out", tmp_path / "t"]
+        assert "twice" in refused(capsys, *argv, "--patch", tmp_path / "p.safetensors")
+        chosen[1, 1] = TINY.n_activated_experts
+        save_file({"layers.1.ffn.gate.topk_indices": chosen}, str(tmp_path / "p.safetensors"))
+        assert cli(capsys, *argv, "--patch", tmp_path / "p.safetensors")[0] == 0
+    elif case in MISLEADING:
         refused(
             capsys, "run", "--checkpoint", tiny_checkpoint, "--token-ids", "1,2,3", "--out", tmp_path / "t", *MISLEADING[case]
         )
