@@ -2,6 +2,7 @@
 
     from tracing import TraceRequest, run
     trace = run(model, TraceRequest(prompt="It is a truth", generate=8), tokenizer)
+    trace = tracing.load("demo").run("It is a truth", record="all")  # a notebook's one call
 
 The core sits here (sites: the registry; tracer: the hooks; trace: the file; runner: one request, run);
 the packages hold the analyses, the corpus atlas, the tables and the command line. Importing this
@@ -22,6 +23,9 @@ _EXPORTS = {
     "trace_tokens": "tracing.runner",
     "InputError": "tracing.errors",
     "tables": "tracing.tables",
+    "load": "tracing.cli.loading",
+    "Loaded": "tracing.cli.loading",
+    "PassContext": "tracing.analyses.interventions",
 }
 
 

@@ -28,7 +28,7 @@ from model.config import ModelArgs
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
-from .analyses.interventions import Intervention, from_spec
+from .analyses.interventions import HookFunctions, Intervention, PassContext, PatchAt, from_spec, parse_positions
 from .chat import encode_chat
 from .cli.inputs import SEEDS
 from .errors import InputError
@@ -38,7 +38,8 @@ from .tokenizer import Tokenizer
 from .trace import Trace
 from .tracer import Tracer
 
-INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention")  # tracing.analyses.interventions.from_spec
+# what tracing.analyses.interventions.from_spec reads
+INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention", "at")
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,10 @@ class TraceRequest:
     attribution at ``position`` for ``target`` (minus ``contrast``): a token id, or a token's text.
     ``interventions``: the spec tracing.analyses.interventions.from_spec reads (``ablate``,
     ``zero_experts``, ``ablate_heads``: "LAYER:ID,..."; ``no_bias``: "all" or [blocks];
-    ``attention``: "dense" or an index_topk). ``patches``: site name -> value (not part of the JSON
-    form: it travels as safetensors).
+    ``attention``: "dense" or an index_topk; the removals may name positions, ``"3:17@5"``, or
+    ``at``: "A:B" for the ``{block: [ids]}`` forms). ``patches``: site name -> value (not part of the
+    JSON form: it travels as safetensors), put in whole, or only at ``patch_positions`` ("P", "A:B")
+    with the other positions the model's own.
 
     A setting that belongs to another is refused without it (sampling without ``generate``, a
     position without ``attribute``, ``thinking`` without ``chat``): one rule, so nothing is ignored
@@ -76,6 +79,7 @@ class TraceRequest:
     target: int | str | None = None
     contrast: int | str | None = None
     interventions: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    patch_positions: str | None = None
     patches: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +124,10 @@ class TraceRequest:
         if unknown:
             raise InputError(f"unknown intervention {unknown[0]!r}: choose from {', '.join(INTERVENTION_KEYS)}")
         from_spec(self.interventions)  # a malformed LAYER:ID list is refused here, its numbers when the model runs
+        if self.patch_positions is not None:
+            if not self.patches:
+                raise InputError("--positions applies to --patch or --patch-from")
+            parse_positions("--positions", self.patch_positions)
         if self.patches and (self.generate or self.prefill is not None):
             what = "--generate" if self.generate else "--prefill"
             raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
@@ -189,6 +197,7 @@ _TYPES = {
     "target": (int, str),
     "contrast": (int, str),
     "interventions": (dict,),
+    "patch_positions": (str,),
 }
 
 
@@ -197,7 +206,7 @@ def token_id(flag: str, value: int | str | None, tokenizer: Tokenizer | None) ->
     if value is None or isinstance(value, int):
         return value
     text = value
-    if text.strip().lstrip("-").isdigit():
+    if text.strip().lstrip("-").isascii() and text.strip().lstrip("-").isdigit():
         return int(text)
     if tokenizer is None:
         raise InputError(f"{flag} {text!r}: no tokenizer to encode it with; pass a token id")
@@ -208,7 +217,12 @@ def token_id(flag: str, value: int | str | None, tokenizer: Tokenizer | None) ->
     if not ids:
         raise InputError(f"{flag} {text!r} is not a token of this tokenizer")
     if len(ids) > 1:
-        raise InputError(f"{flag} {text!r} is {len(ids)} tokens ({', '.join(map(str, ids))}); give one token")
+        hint = ""
+        for variant in (" " + text, text.strip()):
+            if variant != text and (one := tokenizer.encode(variant, add_bos=False)) and len(one) == 1:
+                hint = f"; {variant!r} is one token ({one[0]})"
+                break
+        raise InputError(f"{flag} {text!r} is {len(ids)} tokens ({', '.join(map(str, ids))}); give one token{hint}")
     return ids[0]
 
 
@@ -235,11 +249,16 @@ def run(
     device: torch.device | str | None = None,
     context: AbstractContextManager | None = None,
     plan=None,
+    hooks: Mapping[str, Callable[[torch.Tensor, PassContext], torch.Tensor | None]] | None = None,
 ) -> Trace:
     """Carry out ``request`` on ``model`` (its tokenizer encodes a prompt and names the tokens):
     checked, encoded, its target and contrast resolved, its interventions built, then traced
     (:func:`trace_tokens`, whose keyword arguments these are). Over several ranks (``plan``) a
-    sampled generation without a seed takes rank 0's draw on every rank."""
+    sampled generation without a seed takes rank 0's draw on every rank.
+
+    ``hooks``: your functions at hook points, ``{site: fn}``, ``fn(value, ctx)`` returning None or
+    the value the model uses instead (tracing.analyses.interventions.HookFunctions); they run after
+    the request's patches and interventions, and the trace records what they return."""
     request.check()
     sampling = request.sampling().seeded()
     if plan is not None and plan.world > 1 and not sampling.greedy and request.seed is None:
@@ -253,17 +272,23 @@ def run(
         if contrast is not None and target == contrast:
             raise InputError(f"--target and --contrast are both token {target}: the difference of a logit with itself is 0")
         attribution = AttributionRequest(request.position, target, contrast)
+    interventions, patches = from_spec(request.interventions), request.patches
+    if patches and request.patch_positions is not None:  # only there: the model's own elsewhere
+        interventions.append(PatchAt(patches, parse_positions("--positions", request.patch_positions)))
+        patches = None
+    if hooks:
+        interventions.append(HookFunctions(hooks))
     return trace_tokens(
         model,
         ids,
         prompt=request.prompt or "",
         record=list(request.record),
-        patches=request.patches,
+        patches=patches,
         on_block=on_block,
         extra=extra,
         max_tokens=max_tokens,
         token_strings=tokenizer.token_strings if tokenizer is not None else None,
-        interventions=from_spec(request.interventions),
+        interventions=interventions,
         device=device,
         context=context,
         plan=plan,
@@ -374,7 +399,7 @@ def trace_tokens(
                 ids.append(choose(logits[0], sampling, generator))
                 tracer.next_pass(len(ids) - 1)
                 logits = model(torch.tensor([ids[-1:]], device=device), start_pos=len(ids) - 1, cache=cache)
-                if ids[-1] == model.args.eos_token_id:
+                if model.args.is_eos(ids[-1]):
                     stopped = "eos"
                     break
         values = tracer.merged(len(ids))

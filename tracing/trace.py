@@ -73,6 +73,13 @@ class Trace:
         not the config's block count."""
         return sorted(where[0] for name in self.tensors if (where := layer_site(name)) and where[1] == suffix)
 
+    def tables(self) -> dict:
+        """Tidy pandas DataFrames of what the trace holds, by table name (tracing.tables.tables):
+        ``trace.tables()["router"]``."""
+        from .tables import tables
+
+        return tables(self)
+
     def metadata(self) -> dict[str, str]:
         return {
             "format": FORMAT,

@@ -1,9 +1,12 @@
 """Ready-made interventions: ablate experts, route without the correction bias, change the
-indexer's top-k (dense attention is top-k >= T). Each is a set of hook-point replacements, applied
-by the Tracer in the tracing thread only, so a shared model is never modified.
+indexer's top-k (dense attention is top-k >= T), and your own hook functions. Each is a set of
+hook-point replacements, applied by the Tracer in the tracing thread only, so a shared model is
+never modified.
 
 Patches (a site name -> a value) are the general form; these build their replacement from the
-value the model computed in the same forward pass.
+value the model computed in the same forward pass. The removals (experts, heads) may act at chosen
+positions only (``positions``: a half-open range, as ``3:17@5`` or ``3:17@5:9`` on the command
+line): a causal check of one position's attribution removes the part there and nowhere else.
 """
 
 from __future__ import annotations
@@ -19,10 +22,69 @@ from model.kernels import topk
 from model.moe import RouterRule, select_experts
 
 from ..errors import InputError
-from ..sites import site_name
+from ..sites import site_name, spec
 
-# a replacement: (the point's output, values already seen in this pass) -> new output or None
-Replace = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor | None]
+Positions = tuple[int, int | None]  # [start, stop): stop None = to the end of the run
+
+
+@dataclass
+class PassContext:
+    """What a replacement knows of the forward pass it runs in: the hook point's ``name``, the
+    positions its rows hold (``positions``: a prefill's every position, a decode step's one) and the
+    values of this pass that later hook points read (``seen``, by site name)."""
+
+    name: str
+    start: int  # the position of the pass's first row
+    seen: dict[str, torch.Tensor]
+    n_rows: int = 0  # rows (positions) of the value at this hook point
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.n_rows)
+
+    def rows(self, within: Positions | None) -> list[int] | None:
+        """The value's rows whose positions lie ``within`` (all rows for None; None when no row does)."""
+        if within is None:
+            return list(range(self.n_rows))
+        first, stop = within
+        stop = self.start + self.n_rows if stop is None else stop
+        rows = [p - self.start for p in self.positions if first <= p < stop]
+        return rows or None
+
+
+# a replacement: (the point's output, the pass) -> new output or None (unchanged)
+Replace = Callable[[torch.Tensor, PassContext], torch.Tensor | None]
+
+
+def parse_positions(flag: str, text: str) -> Positions:
+    """``P`` (one position), ``A:B`` (A..B-1), ``A:`` (A to the end) or ``:B``: ASCII digits only."""
+    first, sep, stop = text.strip().partition(":")
+    if not sep:
+        stop = str(int(first) + 1) if _is_number(first) else "?"
+    if not (_is_number(first) or (sep and not first)) or not (_is_number(stop) or (sep and not stop)):
+        raise InputError(f"{flag} @{text}: expected a position P or a range A:B (A:, :B), e.g. @5 or @5:9")
+    a, b = int(first or 0), (int(stop) if stop else None)
+    if b is not None and b <= a:
+        raise InputError(f"{flag} @{text}: the range {a}:{b} holds no position")
+    return a, b
+
+
+def describe_positions(positions: Positions | None) -> str:
+    if positions is None:
+        return ""
+    first, stop = positions
+    return f" at position {first}" if stop == first + 1 else f" at positions {first}:{'' if stop is None else stop}"
+
+
+def _outside(rows: list[int], n: int, device) -> torch.Tensor:
+    """(n,) bool: True at the rows not listed."""
+    out = torch.ones(n, dtype=torch.bool, device=device)
+    out[rows] = False
+    return out
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 @dataclass(frozen=True)
@@ -42,15 +104,38 @@ class Intervention:
 
 def _pairs(flag: str, what: str, text: str) -> dict[int, tuple[int, ...]]:
     """``LAYER:ID,LAYER:ID,...`` as block -> sorted distinct ids (experts or heads)."""
-    chosen: dict[int, list[int]] = {}
+    (only,) = _placed_pairs(flag, what, text, placed=False).values()
+    return only
+
+
+def _placed_pairs(flag: str, what: str, text: str, placed: bool = True) -> dict[Positions | None, dict[int, tuple[int, ...]]]:
+    """``LAYER:ID[@POSITIONS],...`` grouped by their positions (None: every position), each as
+    block -> sorted distinct ids (experts or heads)."""
+    chosen: dict[Positions | None, dict[int, list[int]]] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
-        layer, sep, index = item.partition(":")
-        if not sep or not layer.strip().isdigit() or not index.strip().isdigit():
-            raise InputError(f"{flag} {item!r}: expected LAYER:{what}, e.g. 3:17")
-        chosen.setdefault(int(layer), []).append(int(index))
+        pair, at, where = item.partition("@")
+        layer, sep, index = pair.partition(":")
+        if not sep or not _is_number(layer.strip()) or not _is_number(index.strip()) or (at and not placed):
+            example = "3:17 or 3:17@5" if placed else "3:17"
+            raise InputError(f"{flag} {item!r}: expected LAYER:{what}{'[@POSITIONS]' if placed else ''}, e.g. {example}")
+        positions = parse_positions(flag, where) if at else None
+        chosen.setdefault(positions, {}).setdefault(int(layer), []).append(int(index))
     if not chosen:
         raise InputError(f"{flag}: no LAYER:{what} given")
-    return {layer: tuple(sorted(set(ids))) for layer, ids in chosen.items()}
+    return {at: {layer: tuple(sorted(set(ids))) for layer, ids in pairs.items()} for at, pairs in chosen.items()}
+
+
+def _block_ids(flag: str, value: Any) -> dict[int, tuple[int, ...]]:
+    """``{block: [ids]}`` (JSON may have made the blocks strings) with every number an integer."""
+    if not isinstance(value, Mapping):
+        raise InputError(f"{flag}: expected LAYER:ID text or {{block: [ids]}}, not {type(value).__name__}")
+    out = {}
+    for block, ids in value.items():
+        block = int(block) if isinstance(block, str) and _is_number(block) else block
+        if isinstance(ids, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in (block, *ids)):
+            raise InputError(f"{flag}: blocks and ids must be integers")
+        out[block] = tuple(sorted(set(ids)))
+    return out
 
 
 def _moe_layers(args: ModelArgs, layers: tuple[int, ...] | None) -> list[int]:
@@ -82,10 +167,11 @@ class AblateExperts(Intervention):
     so routing goes around them as if they did not exist."""
 
     experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> expert ids
+    positions: Positions | None = None  # None: at every position
 
     @classmethod
     def parse(cls, text: str) -> AblateExperts:
-        """``LAYER:EXPERT,LAYER:EXPERT,...`` (e.g. ``3:17,3:40,5:2``)."""
+        """``LAYER:EXPERT,LAYER:EXPERT,...`` (e.g. ``3:17,3:40,5:2``), every position."""
         return cls(_pairs("--ablate-experts", "EXPERT", text))
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
@@ -94,16 +180,18 @@ class AblateExperts(Intervention):
             if args.n_routed_experts - len(ids) < args.n_activated_experts:
                 raise InputError(f"block {layer}: ablating {len(ids)} experts leaves fewer than k={args.n_activated_experts}")
 
-            def mask(value, seen, ids=ids):
+            def mask(value, ctx, ids=ids):  # value: (N, E)
+                if (rows := ctx.rows(self.positions)) is None:
+                    return None
                 out = value.clone()
-                out[..., list(ids)] = float("-inf")
+                out[torch.tensor(rows, device=value.device)[:, None], list(ids)] = float("-inf")
                 return out
 
             out[site_name(layer, "ffn.gate.biased_scores")] = mask
         return out
 
     def describe(self) -> str:
-        return "ablate " + _listing(self.experts)
+        return "ablate " + _listing(self.experts) + describe_positions(self.positions)
 
 
 @dataclass(frozen=True)
@@ -112,22 +200,26 @@ class ZeroExperts(Intervention):
     before the routed sum, so routing (and every other expert's weight) stays as it was."""
 
     experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> expert ids
+    positions: Positions | None = None  # None: at every position
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
         out: dict[str, Replace] = {}
         for layer, ids in _checked_experts(args, self.experts):
             chosen = site_name(layer, "ffn.gate.topk_indices")
 
-            def zero(value, seen, chosen=chosen, ids=ids):
-                slots = seen[chosen].sort(dim=-1).values  # (N, k): expert_out's slots, ascending
+            def zero(value, ctx, chosen=chosen, ids=ids):
+                if (rows := ctx.rows(self.positions)) is None:
+                    return None
+                slots = ctx.seen[chosen].sort(dim=-1).values  # (N, k): expert_out's slots, ascending
                 silent = torch.isin(slots, torch.tensor(ids, device=slots.device))
+                silent[_outside(rows, len(silent), silent.device)] = False
                 return value.masked_fill(silent.unsqueeze(-1), 0.0)  # (N, k, D)
 
             out[site_name(layer, "ffn.expert_out")] = zero
         return out
 
     def describe(self) -> str:
-        return "zero " + _listing(self.experts)
+        return "zero " + _listing(self.experts) + describe_positions(self.positions)
 
 
 @dataclass(frozen=True)
@@ -137,6 +229,7 @@ class AblateHeads(Intervention):
     the zeros included, as it would any other."""
 
     heads: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> head ids
+    positions: Positions | None = None  # None: at every position (query)
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
         out: dict[str, Replace] = {}
@@ -146,18 +239,20 @@ class AblateHeads(Intervention):
             if any(not 0 <= h < args.n_heads for h in ids):
                 raise InputError(f"block {layer}: heads are numbered 0..{args.n_heads - 1}")
 
-            def zero(value, seen, ids=ids):
+            def zero(value, ctx, ids=ids):
                 if value.shape[2] != args.n_heads:
                     raise InputError("--ablate-heads: a rank holds only its heads under tensor parallelism")
+                if (rows := ctx.rows(self.positions)) is None:
+                    return None
                 out = value.clone()
-                out[:, :, list(ids)] = 0.0  # (B, T, H, S)
+                out[:, torch.tensor(rows, device=value.device)[:, None], list(ids)] = 0.0  # (B, T, H, S)
                 return out
 
             out[site_name(layer, "attn.probs")] = zero
         return out
 
     def describe(self) -> str:
-        return "ablate heads " + _listing(self.heads)
+        return "ablate heads " + _listing(self.heads) + describe_positions(self.positions)
 
 
 @dataclass(frozen=True)
@@ -172,9 +267,9 @@ class NoGateBias(Intervention):
         rule = RouterRule.of(args)
         for layer in _moe_layers(args, self.layers):
             scores, biased = site_name(layer, "ffn.gate.scores"), site_name(layer, "ffn.gate.biased_scores")
-            out[biased] = lambda value, seen, scores=scores: seen[scores]
-            out[site_name(layer, "ffn.gate.group_scores")] = lambda value, seen, biased=biased: (
-                select_experts(seen[biased], None, rule).group_scores
+            out[biased] = lambda value, ctx, scores=scores: ctx.seen[scores]
+            out[site_name(layer, "ffn.gate.group_scores")] = lambda value, ctx, biased=biased: (
+                select_experts(ctx.seen[biased], None, rule).group_scores
             )
         return out
 
@@ -201,8 +296,8 @@ class IndexTopK(Intervention):
         for layer in range(args.n_layers):
             name = site_name(layer, "attn.indexer.scores")
 
-            def select(value, seen, name=name):
-                scores = seen[name]  # (B, T, S), -inf where masked
+            def select(value, ctx, name=name):
+                scores = ctx.seen[name]  # (B, T, S), -inf where masked
                 values, indices = topk(scores, min(self.k, scores.shape[-1]))
                 return indices.masked_fill(values == float("-inf"), -1)
 
@@ -216,33 +311,121 @@ class IndexTopK(Intervention):
         return "dense attention" if self.k >= 1 << 30 else f"index_topk={self.k}"
 
 
-def from_spec(spec: Mapping[str, Any]) -> list[Intervention]:
+@dataclass(frozen=True)
+class HookFunctions(Intervention):
+    """Your own functions at hook points: ``{site: fn}`` where ``fn(value, ctx)`` reads the model's
+    value there (batch dimension included, as the model holds it, e.g. (1, T, D)) and returns None
+    to leave it, or a tensor of the same shape and dtype that the model uses instead (and the trace
+    records). ``ctx`` is the :class:`PassContext`: ``ctx.positions`` are the positions of the
+    value's rows in this forward pass (a generation's decode steps see one each)."""
+
+    functions: Mapping[str, Callable[[torch.Tensor, PassContext], torch.Tensor | None]] = field(default_factory=dict)
+
+    def replacements(self, args: ModelArgs) -> dict[str, Replace]:
+        out: dict[str, Replace] = {}
+        for name, fn in self.functions.items():
+            _hook_point("hook", name)
+            if not callable(fn):
+                raise InputError(f"hook {name!r}: expected a function fn(value, ctx), not {type(fn).__name__}")
+
+            def call(value, ctx, fn=fn, name=name):
+                new = fn(value, ctx)
+                if new is not None and (
+                    not isinstance(new, torch.Tensor) or new.shape != value.shape or new.dtype != value.dtype
+                ):
+                    got = f"{list(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
+                    there = f"{list(value.shape)} {value.dtype}"
+                    raise InputError(f"hook {name!r} returned {got}; the model's value there is {there}")
+                return new
+
+            out[name] = call
+        return out
+
+    def describe(self) -> str:
+        return "hooks on " + ", ".join(sorted(self.functions))
+
+
+@dataclass(frozen=True)
+class PatchAt(Intervention):
+    """Fixed values (a trace's, batch dimension dropped, rows by position from 0) put in at chosen
+    positions only; the other positions keep the model's own: patching one position of one site
+    from another run."""
+
+    values: Mapping[str, torch.Tensor] = field(default_factory=dict, hash=False)
+    positions: Positions | None = None
+
+    def replacements(self, args: ModelArgs) -> dict[str, Replace]:
+        out: dict[str, Replace] = {}
+        for name, value in self.values.items():
+            row = _hook_point("patch", name)
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise InputError(f"patch {name!r} holds NaN or infinite values")
+            axes = [a for a in row.legend.split() if a != "B"]
+            if axes[0] not in ("T", "N"):
+                raise InputError(f"patch {name!r} has no position axis: patch it whole (--patch)")
+
+            batched = row.legend.startswith("B")
+
+            def put(current, ctx, value=value, name=name, batched=batched):
+                if (rows := ctx.rows(self.positions)) is None:
+                    return None
+                wanted = [ctx.start + r for r in rows]
+                if wanted[-1] >= value.shape[0]:
+                    raise InputError(f"patch {name!r} holds {value.shape[0]} positions; this run reaches {wanted[-1] + 1}")
+                mine = current[0] if batched else current  # (T, ...) rows by position
+                if tuple(value.shape[1:]) != tuple(mine.shape[1:]):
+                    want = list(mine.shape[1:])
+                    raise InputError(f"patch {name!r} has rows of shape {list(value.shape[1:])}, this run needs {want}")
+                new = mine.clone()
+                new[rows] = value[wanted].to(device=new.device, dtype=new.dtype)
+                return new.unsqueeze(0) if batched else new
+
+            out[name] = put
+        return out
+
+    def describe(self) -> str:
+        return "patched " + ", ".join(sorted(self.values)) + describe_positions(self.positions)
+
+
+def _hook_point(what: str, name: str):
+    """The registry row of a site a replacement may act at (the Tracer checks the model has it)."""
+    row = spec(name)
+    if row is None or not row.patchable or row.computed:
+        raise InputError(f"{what} {name!r} is not a hook point (a computed site cannot be replaced; python -m tracing sites)")
+    return row
+
+
+def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     """The interventions a spec of plain values asks for, in the order they apply: the command line
     makes one from its flags, the app from its widgets (and keeps it, to run it again).
 
-    * ``ablate``: ``"LAYER:EXPERT,..."`` or ``{block: [experts]}``; empty or absent: none
+    * ``ablate``: ``"LAYER:EXPERT[@POSITIONS],..."`` or ``{block: [experts]}``; empty or absent: none
     * ``no_bias``: ``None``, ``"all"`` or ``[blocks]``
     * ``attention``: ``None`` (the model's index_topk), ``"dense"`` or another index_topk
-    * ``zero_experts``, ``ablate_heads``: as ``ablate`` (``"LAYER:ID,..."`` or ``{block: [ids]}``)
+    * ``zero_experts``, ``ablate_heads``: as ``ablate`` (``"LAYER:ID[@POSITIONS],..."`` or ``{block: [ids]}``)
+    * ``at``: ``"P"``, ``"A:B"``: the positions where the ``{block: [ids]}`` forms act (default: all)
 
-    Each intervention checks its values against the model when it runs.
+    POSITIONS: ``P``, ``A:B`` (A..B-1), ``A:`` or ``:B``. Each intervention checks its values against
+    the model when it runs.
     """
     out: list[Intervention] = []
-    ablate = spec.get("ablate")
-    if isinstance(ablate, str) and ablate:
-        out.append(AblateExperts.parse(ablate))
-    elif ablate:
-        out.append(AblateExperts({int(block): tuple(ids) for block, ids in ablate.items()}))
-    for key, kind, what in (("zero_experts", ZeroExperts, "EXPERT"), ("ablate_heads", AblateHeads, "HEAD")):
-        value = spec.get(key)  # "LAYER:ID,..." (the flag's text) or {block: [ids]}
-        if isinstance(value, str) and value:
-            out.append(kind(_pairs("--" + key.replace("_", "-"), what, value)))
-        elif value:
-            out.append(kind({int(block): tuple(sorted(set(ids))) for block, ids in value.items()}))
-    no_bias = spec.get("no_bias")
+    no_bias = request.get("no_bias")  # first: the removals below mask the scores it routes by
     if no_bias is not None:
         out.append(NoGateBias(None if no_bias == "all" else tuple(no_bias)))
-    attention = spec.get("attention")
+    at = request.get("at")
+    at = parse_positions("at", str(at)) if at not in (None, "", "all") else None
+    for key, kind, what in (
+        ("ablate", AblateExperts, "EXPERT"),
+        ("zero_experts", ZeroExperts, "EXPERT"),
+        ("ablate_heads", AblateHeads, "HEAD"),
+    ):
+        value = request.get(key)  # "LAYER:ID[@P],..." (the flag's text) or {block: [ids]}
+        flag = "--ablate-experts" if key == "ablate" else "--" + key.replace("_", "-")
+        if isinstance(value, str) and value:
+            out.extend(kind(pairs, positions) for positions, pairs in _placed_pairs(flag, what, value).items())
+        elif value:
+            out.append(kind(_block_ids(flag, value), at))
+    attention = request.get("attention")
     if attention == "dense":
         out.append(IndexTopK.dense())
     elif attention is not None:

@@ -148,11 +148,17 @@ def test_cli_patch_interventions_and_diff(capsys, tiny_checkpoint, tmp_path, bas
     assert "different prompts" in capsys.readouterr().err
 
 
+def test_an_ablated_expert_stays_ablated_without_the_correction_bias(tiny_model, base):
+    expert = int(base["layers.1.ffn.gate.topk_indices"][0, 0])
+    both = trace_tokens(tiny_model, IDS, interventions=from_spec({"ablate": f"1:{expert}", "no_bias": "all"}))
+    assert not (both["layers.1.ffn.gate.topk_indices"] == expert).any()
+
+
 def test_a_spec_gives_the_interventions_the_command_line_and_the_app_ask_for():
     cli = from_spec({"ablate": "3:40,3:17,5:2", "no_bias": "all", "attention": "dense"})
-    assert cli == [AblateExperts({3: (17, 40), 5: (2,)}), NoGateBias(), IndexTopK.dense()]
+    assert cli == [NoGateBias(), AblateExperts({3: (17, 40), 5: (2,)}), IndexTopK.dense()]
     app = from_spec({"ablate": {3: [17, 40], 5: [2]}, "no_bias": [2], "attention": 4})
-    assert app == [AblateExperts({3: (17, 40), 5: (2,)}), NoGateBias((2,)), IndexTopK(4)]
+    assert app == [NoGateBias((2,)), AblateExperts({3: (17, 40), 5: (2,)}), IndexTopK(4)]
     assert from_spec({"ablate": "", "no_bias": None, "attention": None}) == []
     with pytest.raises(InputError, match="LAYER:EXPERT"):
         from_spec({"ablate": "3-17"})
