@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
 from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
-from tracing.analyses.attribution import AttributionRequest, removable  # noqa: E402
+from tracing.analyses.attribution import AttributionRequest  # noqa: E402
 from tracing.cli.loading import DEMO  # noqa: E402
 from tracing.runner import trace_tokens  # noqa: E402
 
@@ -104,33 +104,46 @@ def measure(model, n_tokens: int, reps: int) -> dict:
 
 def causal(top: int) -> dict:
     """On the demo: for each prompt, the ``top`` heads and routed experts of largest |part|, each
-    removed alone (--ablate-heads / --zero-experts): its direct part against the change of the
-    target logit the removal causes (a part p predicts a change of -p when nothing downstream reacts)."""
-    from tests.test_attribution import CAUSAL_PROMPTS
-
-    from tracing.analyses.interventions import from_spec
+    removed alone at the attributed position (tracing.analyses.causal, like with like), and for
+    comparison at every position: its direct part against the measured effect on the target logit
+    (the plain logit less the logit without the part; equal to the part when nothing downstream reacts)."""
+    from tests.tracing.analyses.test_attribution import CAUSAL_PROMPTS
+    from tracing.analyses.causal import causal_check
+    from tracing.runner import TraceRequest, run
     from tracing.tokenizer import Tokenizer
 
     model, tokenizer = load_model(DEMO), Tokenizer(DEMO)
     rows = []
     for prompt in CAUSAL_PROMPTS:
-        ids = tokenizer.encode(prompt)
-        base = trace_tokens(model, ids, attribution=AttributionRequest())
-        target = base.extra["attribution"]["target"]
-        for part, key, block, index in sorted(removable(base), key=lambda p: -abs(p[0]))[:top]:
-            run = trace_tokens(model, ids, interventions=from_spec({key: {block: [index]}}))
-            moved = float(run["logits.last"][target] - base["logits.last"][target])
-            rows.append({"prompt": prompt, "what": f"{key} {block}:{index}", "part": round(part, 4), "moved": round(moved, 4)})
+        plain = run(model, TraceRequest(prompt=prompt, attribute=True), tokenizer)
+        target = plain.extra["attribution"]["target"]
+        table = causal_check(lambda r: run(model, r, tokenizer), TraceRequest(prompt=prompt, attribute=True), top, plain)
+        for part in table.itertuples():
+            key = "ablate_heads" if part.kind == "head" else "zero_experts"
+            spec = {key: f"{part.block}:{part.index}"}
+            everywhere = run(model, TraceRequest(prompt=prompt, attribute=True, target=target, interventions=spec), tokenizer)
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "what": f"{key} {part.block}:{part.index}",
+                    "part": round(part.attributed, 4),
+                    "effect_at_position": round(part.effect, 4),
+                    "effect_everywhere": round(table.attrs["total"] - float(everywhere["attribution.total"][0]), 4),
+                }
+            )
     largest = [next(r for r in rows if r["prompt"] == p) for p in CAUSAL_PROMPTS]
-    parts, moved = torch.tensor([r["part"] for r in rows]), torch.tensor([r["moved"] for r in rows])
-    return {
-        "largest_agree": sum(r["part"] * r["moved"] < 0 for r in largest),
-        "all_agree": int((parts * moved < 0).sum()),
-        "n": len(rows),
-        "correlation_part_vs_minus_moved": round(float(torch.corrcoef(torch.stack([parts, -moved]))[0, 1]), 3),
-        "median_moved_over_minus_part": round(float((-moved / parts).median()), 3),
-        "rows": rows,
-    }
+    parts = torch.tensor([r["part"] for r in rows])
+    out = {"n": len(rows)}
+    for where in ("at_position", "everywhere"):
+        effect = torch.tensor([r[f"effect_{where}"] for r in rows])
+        out[where] = {
+            "largest_agree": sum(r["part"] * r[f"effect_{where}"] > 0 for r in largest),
+            "all_agree": int((parts * effect > 0).sum()),
+            "correlation": round(float(torch.corrcoef(torch.stack([parts, effect]))[0, 1]), 3),
+            "median_effect_over_part": round(float((effect / parts).median()), 3),
+        }
+    out["rows"] = rows
+    return out
 
 
 def main() -> None:

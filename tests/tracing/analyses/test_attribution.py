@@ -387,15 +387,17 @@ def test_an_ablated_head_and_a_zeroed_expert_attribute_nothing(tiny_model):
 
 @needs_demo
 def test_removing_the_largest_part_moves_the_logit_its_way(demo_model):
-    """Zeroing the head or routed expert with the largest |part| lowers the target logit when the part
-    is positive and raises it when negative, on at least 8 of 10 prompts."""
+    """Zeroing the head or routed expert with the largest |part| at the attributed position (the last)
+    lowers the target logit when the part is positive and raises it when negative, on at least 8 of
+    10 prompts."""
     tok = Tokenizer(DEMO)
     agree = []
     for prompt in CAUSAL_PROMPTS:
         ids = tok.encode(prompt)
         base = trace_tokens(demo_model, ids, attribution=AttributionRequest())
         part, key, block, index = max(removable(base), key=lambda c: abs(c[0]))
-        run = trace_tokens(demo_model, ids, interventions=from_spec({key: {block: [index]}}))
+        there = from_spec({key: f"{block}:{index}@{base.extra['attribution']['position']}"})
+        run = trace_tokens(demo_model, ids, interventions=there)
         target = base.extra["attribution"]["target"]
         agree.append(float(run["logits.last"][target] - base["logits.last"][target]) * part < 0)
     assert sum(agree) >= 8, agree
