@@ -194,9 +194,18 @@ def listing(chosen: Mapping[int, list[int]]) -> str:
     return ",".join(f"{block}:{i}" for block, ids in sorted(chosen.items()) for i in ids)
 
 
-def ask_to_remove(state: MutableMapping, spec_key: str, block: int, index: int) -> None:
-    """For a link from another page: the Interventions page opens with only this removal picked, and runs it."""
-    state[ARRIVING] = {spec_key: {block: [index]}}
+def ask_to_remove(state: MutableMapping, spec_key: str, block: int, index: int, position: int | None = None) -> None:
+    """For a link from another page: the Interventions page opens with only this removal picked (at
+    ``position`` only, when given: an attribution's check removes the part where it was attributed),
+    and runs it."""
+    state[ARRIVING] = {spec_key: {block: [index]}, "at": None if position is None else str(position)}
+
+
+def strongest_block(trace: Trace) -> int | None:
+    """The block of the head or routed expert with the largest |part| in an attributed trace: where
+    the Attribution page opens."""
+    parts = removable(trace)
+    return max(parts, key=lambda p: abs(p[0]))[2] if parts else None
 
 
 def strongest(trace: Trace, block: int) -> list[tuple[str, int, float]]:

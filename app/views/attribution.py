@@ -22,6 +22,8 @@ from app.topics import attribution as topic
 from app.topics import interventions
 from app.topics.tokens import labels
 from tracing.analyses.attribution import AttributionRequest
+from tracing.analyses.causal import causal_check
+from tracing.runner import TraceRequest
 
 FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)
 PICKED_FOR = "attr_picked_for"  # the plain trace's key the pickers were set for
@@ -55,6 +57,7 @@ def page() -> None:
     entry = attributed(om, key.plain, request, flow)
     if entry is not None:
         show(View(entry, view.block))
+        causal_view(om, key.plain, View(entry, view.block))
 
 
 def no_model() -> None:
@@ -129,7 +132,7 @@ def show(view: View) -> None:
         ("attr_waterfall", lambda: topic.waterfall_figure(coarse, info["total"], html.escape(what))),
         ("attr_grid", lambda: topic.grid_figure(*grid)),
     )
-    block_view(view)
+    block_view(View(view.entry, chosen_block(view)))
     prompt_view(view, position)
     graph_view(view, position)
     with st.expander("Every part as a table (sources: each head's split over the keys it read)"):
@@ -143,6 +146,23 @@ def side_by_side(view: View, *charts: tuple) -> None:
     for column, (key, build, *args) in zip(st.columns(len(charts), gap="large"), charts, strict=True):
         with column:
             widgets.memo_chart(view, key, build, *args)
+
+
+def chosen_block(view: View) -> int:
+    """The block whose parts are shown: it opens on the block of the largest head or expert part
+    (where the answer is), for each attributed trace; then the reader's choice."""
+    n = view.config.n_layers
+    if st.session_state.get("attr_block_for") != view.entry.key or st.session_state.get("attr_block") not in range(n):
+        st.session_state["attr_block_for"] = view.entry.key
+        strongest = interventions.strongest_block(view.trace)
+        st.session_state["attr_block"] = strongest if strongest is not None else min(view.block, n - 1)
+    return st.selectbox(
+        "Block",
+        range(n),
+        key="attr_block",
+        format_func=lambda b: f"block {b}",
+        help="Opens on the block of the largest head or expert part.",
+    )
 
 
 def block_view(view: View) -> None:
@@ -165,16 +185,69 @@ def block_view(view: View) -> None:
 
 
 def removals(view: View, block: int) -> None:
-    """The causal check one click away: the block's head and expert with the largest |part|, removed on the
-    Interventions page (a head ablated, an expert's output zeroed with its routing kept)."""
+    """The causal check one click away: the block's head and expert with the largest |part|, the larger
+    first, removed at the attributed position only on the Interventions page (a head ablated, an
+    expert's output zeroed with its routing kept)."""
     candidates = view.memo(("attr_strongest", block), lambda: interventions.strongest(view.trace, block))
+    candidates = sorted(candidates, key=lambda c: -abs(c[2]))
+    position = topic.attributed(view.trace)["position"]
     for column, (key, index, value) in zip(st.columns(max(len(candidates), 1)), candidates, strict=False):
         verb, what = ("Ablate", "head") if key == "ablate_heads" else ("Zero", "expert")
-        label = f"{verb} {what} {block}:{index} (part {value:+.3f}) on the Interventions page"
-        tip = "The Interventions page compares the runs at the last position: the baseline's top token's logit."
+        label = f"{verb} {what} {block}:{index} at position {position} (part {value:+.3f}) on the Interventions page"
+        tip = (
+            "Removed at the attributed position only, like with like; the Interventions page compares the runs after the "
+            "last position (the baseline's top token's logit). The causal check below measures the attributed logit."
+        )
         if column.button(label, key=f"attr_remove_{key}", icon=INTERVENTIONS.icon, help=tip):
-            interventions.ask_to_remove(st.session_state, key, block, index)
+            interventions.ask_to_remove(st.session_state, key, block, index, position)
             st.switch_page(str(INTERVENTIONS.file))
+
+
+def causal_view(om: AppModel, plain: TraceKey, view: View) -> None:
+    """The causal check of the attribution: each of the N largest heads and experts removed at the
+    attributed position only, the attributed logit measured again (tracing.analyses.causal)."""
+    st.subheader("Causal check", anchor=False)
+    st.caption(
+        "Each of the largest heads and routed experts removed at the attributed position only (a head ablated, an "
+        "expert's output zeroed with its routing kept), and the same logit measured again: the effect is the plain "
+        "value less the value without the part. One run per part."
+    )
+    st.session_state.setdefault("attr_causal_n", 5)
+    left, right = st.columns([1, 3], vertical_alignment="bottom")
+    n = int(left.number_input("Parts", min_value=1, max_value=20, step=1, key="attr_causal_n"))
+    asked = (view.entry.key, n)
+    if right.button("Remove each and measure", key="attr_causal_run", icon=":material/science:"):
+        st.session_state["attr_causal_for"] = asked
+    if st.session_state.get("attr_causal_for") != asked:
+        return
+    info = topic.attributed(view.trace)
+    request = TraceRequest(
+        prompt=plain.prompt, attribute=True, position=info["position"], target=info["target"], contrast=info["contrast"]
+    )
+
+    def again(changed: TraceRequest):
+        attribution = AttributionRequest(changed.position, changed.target, changed.contrast)
+        entry = trace_prompt(
+            om,
+            plain.prompt,
+            variant=topic.variant(attribution, False),
+            attribution=attribution,
+            interventions=changed.interventions,
+            generation=plain.generation,
+            chat=plain.chat,
+        )
+        return entry.trace
+
+    try:
+        with st.spinner(f"Removing {n} parts, one run each…"):
+            table = view.memo(("attr_causal", n), lambda: causal_check(again, request, n, view.trace))
+    except BAD_INPUT as exc:
+        st.error(f"**Not checked.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+        return
+    r = table.attrs["correlation"]
+    st.markdown(f"Correlation of the attributed values and the measured effects: **{r:+.3f}** over {len(table)} parts.")
+    st.dataframe(table, hide_index=True, width="stretch")
+    widgets.csv_button(st, table, "causal.csv", "attr_causal_csv")
 
 
 def prompt_view(view: View, position: int) -> None:

@@ -30,8 +30,8 @@ RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}
 # --- the spec: what to run, as plain values ---------------------------------------------------------------
 def spec_from_widgets(cfg) -> dict[str, Any]:
     """The interventions the widgets ask for: ``{"ablate" | "zero_experts" | "ablate_heads": {block: [ids]},
-    "no_bias": None | "all" | [blocks], "attention": None | "dense" | k}``. InputError when typed ids do
-    not parse."""
+    "no_bias": None | "all" | [blocks], "attention": None | "dense" | k, "at": None | "P" | "A:B"}`` (the
+    positions the removals act at). InputError when typed ids do not parse."""
     spec: dict[str, Any] = {kind.spec_key: kind.picked(st.session_state, cfg) for kind in PER_BLOCK}
     no_bias = None
     if st.session_state.get("iv_no_bias") and cfg.has_gate_bias:
@@ -39,7 +39,8 @@ def spec_from_widgets(cfg) -> dict[str, Any]:
         no_bias = sorted(int(b) for b in chosen) if chosen else "all"
     mode = st.session_state.get("iv_attention", "model")
     attention = "dense" if mode == "dense" else int(st.session_state.get("iv_topk") or 1) if mode == "topk" else None
-    return {**spec, "no_bias": no_bias, "attention": attention}
+    at = (st.session_state.get("iv_at") or "").strip()
+    return {**spec, "no_bias": no_bias, "attention": attention, "at": at or None}
 
 
 # --- callbacks (run before the page is drawn again) ------------------------------------------------------------
@@ -55,6 +56,7 @@ def _clear() -> None:
     st.session_state["iv_no_bias"] = False
     st.session_state["iv_no_bias_blocks"] = []
     st.session_state["iv_attention"] = "model"
+    st.session_state["iv_at"] = ""
 
 
 def _keep(cfg) -> None:
@@ -69,6 +71,7 @@ def _keep(cfg) -> None:
     st.session_state.setdefault("iv_topk", max(1, cfg.index_topk // 2))
     st.session_state["iv_topk"] = min(max(1, int(st.session_state["iv_topk"])), cfg.max_seq_len)
     st.session_state.setdefault("iv_only_changed", True)
+    st.session_state.setdefault("iv_at", "")
 
 
 def _keep_picks(kind: PerBlock, cfg) -> None:
@@ -98,6 +101,7 @@ def _arrive() -> bool:
         for block, ids in (asked.get(kind.spec_key) or {}).items():
             st.session_state[f"{kind.prefix}{block}"] = list(ids)
             st.session_state[kind.block_key] = block
+    st.session_state["iv_at"] = asked.get("at") or ""
     return True
 
 
@@ -233,7 +237,17 @@ def controls(base: Entry, cfg) -> None:
                 help=f"The model's is {cfg.index_topk}; with {base.trace.n_tokens} tokens, {base.trace.n_tokens} or "
                 "more is dense attention.",
             )
-        clear_col.button("Clear all", key="iv_clear", on_click=_clear, icon=":material/restart_alt:")
+        with clear_col:
+            st.markdown("**Where**")
+            st.text_input(
+                "Remove experts and heads at positions",
+                key="iv_at",
+                placeholder=f"every position (or P, A:B of 0..{base.trace.n_tokens - 1})",
+                help="P: that position only; A:B: positions A..B-1; A: from A on. Earlier positions stay bit-identical "
+                "to the baseline. An attribution's causal check removes a part at the attributed position only. "
+                "The command line's LAYER:ID@P.",
+            )
+            st.button("Clear all", key="iv_clear", on_click=_clear, icon=":material/restart_alt:")
 
 
 def block_picker(kind: PerBlock, cfg, label: str) -> int:

@@ -17,7 +17,7 @@ from tests.app.test_app import APP, TIMEOUT, messages, shown_entry
 from tests.app.test_app_generation import checked as generation_checked
 from tests.app.test_app_generation import generate
 from tests.app.test_app_interventions import chart_titles
-from tracing.analyses.attribution import AttributionRequest
+from tracing.analyses.attribution import AttributionRequest, removable
 from tracing.runner import trace_tokens
 
 PAGE = "views/attribution.py"
@@ -86,11 +86,27 @@ def test_pickers_and_block_change_what_is_attributed(app):
     assert coloured_prompt(app).count('class="attributed-token"') == 4  # the tokens up to the position
     cfg = trace.config
     moe = next(b for b in range(cfg.n_layers) if cfg.is_moe(b))
-    app.selectbox(key="block").set_value(moe).run()
+    app.selectbox(key="attr_block").set_value(moe).run()
     checked(app)
     assert any(f"Block {moe}: the experts' parts" in t for t in chart_titles(app))
     lens = app.dataframe[0].value  # each chosen expert's logit lens
     assert len(lens) == cfg.n_activated_experts and (lens["promotes"] != "").all() and (lens["suppresses"] != "").all()
+
+
+def test_the_page_opens_on_the_largest_part_and_checks_it_at_its_position(app):
+    trace = attributed_entry(app).trace
+    value, key, block, index = max(removable(trace), key=lambda p: abs(p[0]))
+    assert app.selectbox(key="attr_block").value == block  # not the sidebar's block 0
+    first = app.button(key=f"attr_remove_{key}")
+    position = trace.extra["attribution"]["position"]
+    assert f"{block}:{index} at position {position}" in first.label
+    app.number_input(key="attr_causal_n").set_value(3).run()
+    app.button(key="attr_causal_run").click().run()
+    checked(app)
+    table = next(d.value for d in app.dataframe if "effect" in d.value.columns)
+    assert len(table) == 3 and table["removed"].str.endswith(f"at position {position}").all()
+    assert table.iloc[0]["attributed"] == pytest.approx(value, abs=1e-6)
+    assert "Correlation of the attributed values and the measured effects" in messages(app.markdown)
 
 
 def test_the_graph_is_drawn_on_request_and_thins_with_the_threshold(app):

@@ -333,8 +333,8 @@ def test_the_attribution_page_removes_its_strongest_part_in_one_click(app, key, 
     """The causal check from the Attribution page: its button opens this page with only that part picked, run."""
     cfg = baseline_entry(app).trace.config
     block = cfg.n_layers - 1  # a MoE block
-    app.selectbox(key="block").set_value(block).run()
     app.switch_page("views/attribution.py").run()
+    app.selectbox(key="attr_block").set_value(block).run()
     assert not app.exception and not app.error, messages(app.error)
     shown = AttributionRequest(app.selectbox(key="attr_position").value, app.selectbox(key="attr_target").value)
     plain = app.session_state["trace_key"].plain
@@ -344,8 +344,27 @@ def test_the_attribution_page_removes_its_strongest_part_in_one_click(app, key, 
     app.button(key=f"attr_remove_{key}").click().run()
     assert not app.exception and not app.error, messages(app.error)
     assert any("Interventions" in str(h.value) for h in app.header)
-    assert app.session_state["iv_result"]["spec"][key] == {block: [strongest]}
-    assert [k for k, v in app.session_state["iv_result"]["spec"].items() if v] == [key]
+    spec = app.session_state["iv_result"]["spec"]
+    assert spec[key] == {block: [strongest]} and spec["at"] == str(shown.position)  # at the attributed position only
+    assert [k for k, v in spec.items() if v and k != "at"] == [key]
+    assert app.text_input(key="iv_at").value == str(shown.position)
     assert any(label.startswith("Logit of ") for label in metrics(app))
     picks = "iv_heads_" if key == "ablate_heads" else "iv_zeroed_"
     assert app.multiselect(key=f"{picks}{block}").value == [strongest]
+
+
+def test_removals_at_positions_leave_the_positions_before_alone(app):
+    base = baseline_entry(app).trace
+    at = base.n_tokens - 3
+    app.multiselect(key=f"iv_heads_{app.selectbox(key='iv_head_block').value}").set_value([0]).run()
+    app.text_input(key="iv_at").set_value(f"{at}:").run()
+    run(app)
+    assert not app.error, messages(app.error)
+    trace = intervened_entry(app).trace
+    assert app.session_state["iv_result"]["spec"]["at"] == f"{at}:"
+    assert trace.extra["interventions"] == [f"ablate heads 0:0 at positions {at}:"]
+    assert torch.equal(trace["layers.0.resid_post"][:at], base["layers.0.resid_post"][:at])
+    assert not torch.equal(trace["layers.0.resid_post"][at:], base["layers.0.resid_post"][at:])
+    app.text_input(key="iv_at").set_value("9:2").run()
+    run(app)
+    assert "holds no position" in messages(app.error)
