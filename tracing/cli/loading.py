@@ -99,6 +99,28 @@ class Loaded:
 
         return Streamer(self.model, self.source, self.device, plan=self.plan, progress=self.progress)
 
+    def run(self, prompts: str | list[str], hooks=None, **request):
+        """Trace a prompt (a Trace) or several (a list of Traces, one run each, in order):
+        ``request`` holds TraceRequest's fields (``record="all"``, ``generate=8``, ``interventions=``),
+        ``hooks`` your functions at hook points (tracing.runner.run). The notebook's one call."""
+        from ..runner import TraceRequest, run
+
+        many = not isinstance(prompts, str)
+        traces = [
+            run(
+                self.model,
+                TraceRequest(prompt=prompt, **request),
+                self.tokenizer,
+                device=self.device,
+                context=self.context(),
+                plan=self.plan,
+                hooks=hooks,
+                extra={"checkpoint": self.label},
+            )
+            for prompt in ([prompts] if not many else prompts)
+        ]
+        return traces if many else traces[0]
+
 
 def open_source(
     source: WeightSource,
@@ -165,3 +187,10 @@ def open_synthetic(
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split, group)
+
+
+def load(checkpoint: str | Path = "demo", device: str = "cpu", dtype: str = "bfloat16", stream: bool | None = False) -> Loaded:
+    """A checkpoint (``demo``: the bundled one) ready to trace from Python or a notebook:
+    ``tracing.load("demo").run("It is a truth", record="all")``. ``stream``: weights read while
+    they run (None: when the checkpoint does not fit in memory)."""
+    return open_checkpoint(checkpoint, device, parse_dtype(dtype), stream)
