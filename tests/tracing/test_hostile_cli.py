@@ -92,8 +92,19 @@ def _sigterm_during(monkeypatch, target, name):
 
 
 @demo_only
-@pytest.mark.parametrize("case", ["atlas into a directory of other files", "SIGTERM in export", "SIGTERM in atlas"])
+@pytest.mark.parametrize(
+    "case", ["atlas into a directory of other files", "an empty path", "SIGTERM in export", "SIGTERM in atlas"]
+)
 def test_outputs_never_replace_what_is_not_theirs(capsys, monkeypatch, tmp_path, trace, case):
+    if case == "an empty path":  # an unset variable in --out "$DIR" is the current directory, or no tables at all
+        saved = trace.save(tmp_path / "t.safetensors")
+        monkeypatch.chdir(tmp_path)
+        run = ["run", "--checkpoint", "demo", "--token-ids", "1,2,3"]
+        for argv in ([*run, "--out", ""], [*run, "--out", "u.safetensors", "--csv", ""], [*ATLAS, "--out", ""]):
+            assert "empty path" in refused(capsys, *argv)
+        assert "empty path" in refused(capsys, "diff", saved, saved, "--csv", "")
+        assert os.listdir(tmp_path) == ["t.safetensors"]
+        return
     if case == "atlas into a directory of other files":
         mine = tmp_path / "mine"
         mine.mkdir()

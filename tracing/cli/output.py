@@ -57,10 +57,17 @@ def _lstat(path: Path) -> os.stat_result | None:
         raise OutputError(f"{path}: cannot write ({_reason(exc)})") from None
 
 
+def _named(path: str | os.PathLike) -> Path:
+    """An empty path (an unset variable in ``--out "$DIR"``) would be the current directory."""
+    if not os.fspath(path):
+        raise OutputError("an empty path names no output: give a file or directory")
+    return Path(path)
+
+
 def check_file(path: str | os.PathLike) -> Path:
     """Refuse a file target that exists and is not a regular file: replacing it by rename would
     turn a FIFO, device or symlink into a regular file without a word."""
-    path = Path(path)
+    path = _named(path)
     st = _lstat(path)
     if st is not None and (kind := _kind(st.st_mode)):
         raise OutputError(f"{path}: exists and is {kind}, not a regular file; refusing to replace it")
@@ -69,7 +76,7 @@ def check_file(path: str | os.PathLike) -> Path:
 
 def check_directory(path: str | os.PathLike) -> Path:
     """Refuse a directory target that exists and is not a directory (a symlink to one is fine)."""
-    path = Path(path)
+    path = _named(path)
     if _lstat(path) is not None and not path.is_dir():
         raise OutputError(f"{path}: exists and is not a directory")
     return path
