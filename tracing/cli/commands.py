@@ -61,10 +61,32 @@ def _load_patches(path: str) -> dict:
         raise InputError(f"{path}: not a readable patch file ({exc})") from None
 
 
+def _patches_from(path: str | None, patterns: str | None) -> dict | None:
+    """The values of ``path``'s trace at the sites ``patterns`` name (--patch-from TRACE --sites)."""
+    from ..sites import select
+    from ..trace import Trace
+
+    if not path:
+        return None
+    if not patterns:
+        raise InputError("--patch-from needs --sites: the sites to take from the trace, e.g. 'layers.1.resid_post'")
+    trace = Trace.load(path)
+    names = [n for n in select(trace.config, patterns) if n in trace.tensors]
+    if not names:
+        raise InputError(f"--patch-from {path}: the trace holds none of the sites {patterns!r}")
+    return {name: trace.tensors[name] for name in names}
+
+
 def request_from_args(args: argparse.Namespace) -> TraceRequest:
     """The TraceRequest ``run``'s flags ask for, checked (before any model loads)."""
     if args.dense_attention and args.index_topk is not None:
         raise InputError("--dense-attention and --index-topk exclude each other")
+    if args.causal is not None and not args.attribute:
+        raise InputError("--causal applies to --attribute: the check removes the attribution's parts")
+    if args.patch and args.patch_from:
+        raise InputError("--patch and --patch-from exclude each other")
+    if args.sites and not args.patch_from:
+        raise InputError("--sites applies to --patch-from")
     interventions = {
         "ablate": args.ablate_experts or "",
         "zero_experts": args.zero_experts or "",
@@ -88,7 +110,12 @@ def request_from_args(args: argparse.Namespace) -> TraceRequest:
         target=args.target,
         contrast=args.contrast,
         interventions={key: value for key, value in interventions.items() if value},
-        patches=_load_patches(args.patch) if args.patch else None,
+        patch_positions=args.positions,
+        patches=_load_patches(args.patch)
+        if args.patch
+        else _patches_from(args.patch_from, args.sites)
+        if args.patch_from
+        else None,
     )
     return request.check()
 
@@ -129,12 +156,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     if rank0 and (bad := trace.extra.get("nonfinite")):
         at = "" if bad["position"] is None else f" at position {bad['position']}"
         print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
+    frames = tables(trace) if rank0 and args.csv else {}
+    if args.causal is not None:
+        frames["causal"] = _causal(loaded, request, trace, args.causal, rank0)
     if rank0:
         with Outputs() as out:  # the trace and its tables land together or not at all
             out.file(args.out, trace.to_bytes())
             if args.csv:
-                stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
+                stage_tables(out, frames, args.csv, parquet=args.parquet)
     return 0
+
+
+def _causal(loaded, request: TraceRequest, trace: Trace, n: int, report: bool):
+    """``run --attribute --causal N``: the N largest parts removed at the attributed position, each
+    measured (tracing.analyses.causal); one line on stderr gives the correlation."""
+    from ..analyses.causal import causal_check
+    from ..runner import run
+
+    def again(changed: TraceRequest) -> Trace:
+        return run(loaded.model, changed, loaded.tokenizer, device=loaded.device, context=loaded.context(), plan=loaded.plan)
+
+    table = causal_check(again, request, n, trace)
+    if report:
+        r = table.attrs["correlation"]
+        print(
+            f"causal check: {len(table)} parts removed at position {trace.extra['attribution']['position']}; "
+            f"correlation of attributed and measured {r:+.3f}",
+            file=sys.stderr,
+        )
+    return table
 
 
 def _run_on_server(args: argparse.Namespace, request: TraceRequest) -> int:
@@ -143,7 +193,8 @@ def _run_on_server(args: argparse.Namespace, request: TraceRequest) -> int:
     from ..tables import stage_tables, tables
     from .output import Outputs
 
-    local = [flag for flag, given in (("--stream", args.stream), ("--n-layers", args.n_layers is not None)) if given]
+    given = (("--stream", args.stream), ("--n-layers", args.n_layers is not None), ("--causal", args.causal is not None))
+    local = [flag for flag, on in given if on]
     if args.device != "cpu" or args.dtype != "bfloat16":
         local.append("--device/--dtype")
     if local:
@@ -296,9 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--thinking", action="store_true", help="with --chat: the assistant turn starts in thinking mode")
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
     run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
-    run.add_argument("--ablate-experts", metavar="LAYER:EXPERT,...", help="experts never chosen (routed around)")
-    run.add_argument("--zero-experts", metavar="LAYER:EXPERT,...", help="experts still chosen that contribute nothing")
-    run.add_argument("--ablate-heads", metavar="LAYER:HEAD,...", help="attention heads whose output is zero before wo")
+    run.add_argument("--patch-from", metavar="TRACE", help="patch the --sites of this trace file (another prompt's run) in")
+    run.add_argument("--sites", metavar="PATTERN,...", help="with --patch-from: the sites to patch (glob patterns)")
+    run.add_argument("--positions", metavar="P|A:B", help="with --patch or --patch-from: patch only these positions (A..B-1)")
+    at = "[@P|@A:B]"  # the positions where a removal acts (default: every position)
+    run.add_argument("--ablate-experts", metavar=f"LAYER:EXPERT{at},...", help="experts never chosen (routed around)")
+    run.add_argument("--zero-experts", metavar=f"LAYER:EXPERT{at},...", help="experts still chosen that contribute nothing")
+    run.add_argument("--ablate-heads", metavar=f"LAYER:HEAD{at},...", help="attention heads whose output is zero before wo")
     run.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
     run.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
     run.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")
@@ -310,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--position", type=integer(), help="with --attribute: the position (default: the last)")
     run.add_argument("--target", metavar="TOKEN|ID", help="with --attribute: the token (default: the top prediction there)")
     run.add_argument("--contrast", metavar="TOKEN|ID", help="with --attribute: attribute target minus this token's logit")
+    run.add_argument(
+        "--causal",
+        type=integer(1),
+        metavar="N",
+        help="with --attribute: remove each of the N largest parts at the position, measure the logit change (table causal)",
+    )
     run.set_defaults(func=cmd_run)
 
     dif = sub.add_parser("diff", help="compare two traces of one prompt: stream drift, changed experts and keys, predictions")
