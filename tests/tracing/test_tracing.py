@@ -14,7 +14,7 @@ from model.kernels import topk
 from tracing.runner import trace_tokens
 from tracing.sites import LOGIT_LENS, estimate_bytes, index_range, select, site_shape, site_shapes
 from tracing.tables import csv_safe, export, tables, to_csv_bytes
-from tracing.trace import Trace, TraceError
+from tracing.trace import BLOCK_GROUPS, SITE_GROUPS, Trace, TraceError
 from tracing.tracer import Tracer
 
 IDS = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61, 250, 3, 19, 400, 11, 76, 5, 17]  # T=18 > index_topk=8
@@ -171,6 +171,18 @@ def test_file_round_trip_and_validation(tmp_path, trace):
 _SITES = sorted(n for n in site_shapes(TINY) if not n.endswith(".probs") and not n.endswith("attn.scores"))
 
 
+def _with_groups(chosen: list[str]) -> list[str]:
+    """The sites and the rest of each one's group (tracing.trace: read together, held together)."""
+    out = list(chosen)
+    for name in chosen:
+        for group in SITE_GROUPS:
+            out += group if name in group else ()
+        for group in BLOCK_GROUPS:
+            block, _, suffix = name.removeprefix("layers.").partition(".")
+            out += [f"layers.{block}.{s}" for s in group] if name.startswith("layers.") and suffix in group else []
+    return sorted(set(out))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 12),
@@ -183,7 +195,7 @@ def test_any_trace_survives_the_file_round_trip(n, words, prompt, chosen, seed):
     gen = torch.Generator().manual_seed(seed)
     shapes = site_shapes(TINY)
     tensors = {"tokens": torch.randint(0, TINY.vocab_size, (n,), generator=gen)}
-    for name in chosen:
+    for name in _with_groups(chosen):
         legend, dtype = shapes[name]
         shape = site_shape(TINY, name, legend, n)
         if dtype == torch.int64:
@@ -193,7 +205,7 @@ def test_any_trace_survives_the_file_round_trip(n, words, prompt, chosen, seed):
     original = Trace(tensors, TINY, words[:n], prompt, {"note": words[0]})
     again = Trace.from_bytes(original.to_bytes())
     assert again.tokens == original.tokens and again.prompt == prompt and again.extra == original.extra
-    assert set(again.tensors) == set(tensors)
+    assert set(again.tensors) == set(tensors) >= set(chosen)
     assert all(torch.equal(again[k], v) for k, v in tensors.items())
 
 
