@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,18 +188,14 @@ class Trace:
 
 
 def _regular(path: Path) -> Path:
-    """A trace is mapped from a regular file: a directory, a FIFO or a /proc file cannot be."""
+    """A trace is mapped from a regular file with data (tracing.cli.inputs.regular_file)."""
+    from .cli.inputs import regular_file
+    from .errors import InputError
+
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such trace file") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace file ({exc.strerror or exc})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise TraceError(f"{path}: is a directory, not a trace file")
-    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-        raise TraceError(f"{path}: not a regular file with data (a FIFO, device or /proc file?): not a trace file")
-    return path
+        return regular_file(path, "trace file", mapped=True)
+    except InputError as exc:
+        raise TraceError(str(exc)) from None
 
 
 def _is_int(value) -> bool:

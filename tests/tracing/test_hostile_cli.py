@@ -271,11 +271,14 @@ def _wide_router(tmp: Path, trace: Trace) -> Path:
 
 
 def _many_blocks(tmp: Path, trace: Trace) -> Path:
-    """One position routed in each of 4095 blocks of 4096 experts: 16 million block-expert rows."""
-    config = trace.config.replace(n_layers=4096, n_routed_experts=4096)
+    """One position routed in each of 4095 blocks of 4096 experts: 16 million block-expert rows
+    (written as a foreign writer would, whatever limits ModelArgs sets)."""
     tensors = {"tokens": torch.zeros(1, dtype=torch.int64)}
     tensors |= {f"layers.{i}.ffn.gate.topk_indices": torch.arange(TINY.n_activated_experts)[None] for i in range(1, 4096)}
-    return Trace(tensors, config, ["x"]).save(tmp / "t.safetensors")
+    meta = Trace({"tokens": tensors["tokens"]}, trace.config, ["x"]).metadata()
+    meta["config"] = json.dumps({**json.loads(meta["config"]), "n_layers": 4096, "n_routed_experts": 4096})
+    save_file(tensors, str(tmp / "t.safetensors"), metadata=meta)
+    return tmp / "t.safetensors"
 
 
 @pytest.mark.parametrize("case", ["tokens only", "a wide router", "many blocks", "a huge text", "non-regular files"])
@@ -333,7 +336,7 @@ def test_nothing_is_silent_or_misleading(capsys, tmp_path, tiny_checkpoint, case
     else:
         (tmp_path / "loop").symlink_to(tmp_path / "loop")
         (tmp_path / "dir").mkdir()
-        says = {"dir": "is a directory", "loop": "symbolic links", "/proc/self/status": "not a regular file"}
+        says = {"dir": "is a directory", "loop": "symbolic links", "/proc/self/status": "cannot be mapped"}
         for name, message in says.items():
             line = refused(capsys, "export", tmp_path / name, "--csv", tmp_path / "csv")
             assert message in line and "no such" not in line and "os error" not in line, line

@@ -53,7 +53,7 @@ def _token_ids(text: str) -> list[int]:
 def _load_patches(path: str) -> dict:
     from safetensors import SafetensorError, safe_open
 
-    path = str(regular_file(path, "patch file"))
+    path = str(regular_file(path, "patch file", mapped=True))
     try:
         with safe_open(path, framework="pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}

@@ -77,9 +77,10 @@ class Parser(argparse.ArgumentParser):
         raise InputError(f"{self.prog}: {message}")
 
 
-def regular_file(path: str | os.PathLike, what: str, limit: int | None = None) -> Path:
+def regular_file(path: str | os.PathLike, what: str, limit: int | None = None, mapped: bool = False) -> Path:
     """``path`` when it is a regular file (after symlinks) of at most ``limit`` bytes; a FIFO or a
-    device would read forever or block, a directory is not read at all."""
+    device would read forever or block, a directory is not read at all. A ``mapped`` file
+    (safetensors) must hold bytes: a /proc file is regular but empty, and cannot be mapped."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -89,6 +90,8 @@ def regular_file(path: str | os.PathLike, what: str, limit: int | None = None) -
         raise InputError(f"{path}: is a directory, not a {what}")
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"{path}: not a regular file (a FIFO or device?): refusing to read it as a {what}")
+    if mapped and st.st_size == 0:
+        raise InputError(f"{path}: empty (or a /proc file, which cannot be mapped): not a {what}")
     if limit is not None and st.st_size > limit:
         raise InputError(f"{path}: {st.st_size:,} bytes, more than a {what} can hold ({limit:,})")
     return path
