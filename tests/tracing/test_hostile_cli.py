@@ -170,6 +170,7 @@ NO_TRACEBACK = {
         ["run", "--checkpoint", ckpt, "--token-ids", "1,2,3", "--out", tmp / "t"]
         + ["--generate", "2", "--temperature", "1", "--seed", str(2**70)]
     ),
+    "serve --port 99999": lambda tmp, ckpt: ["serve", "--checkpoint", ckpt, "--port", "99999"],
     "--device meta": lambda tmp, ckpt: [
         "run",
         "--checkpoint",

@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default loopback; any other needs --token-file)"
     )
-    serve.add_argument("--port", type=integer(), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=integer(0, 65535), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--token-file", help="file holding the bearer token every client must send (Authorization: Bearer ...)")
     serve.add_argument(
         "--max-prompt-tokens", type=integer(), default=4096, help="longest prompt a request may bring (default 4096)"
