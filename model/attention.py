@@ -50,6 +50,7 @@ class MLA(nn.Module):
         self.indexer = Indexer(args, weight_dtype)
         self.scores = HookPoint("B T H S")  # scaled logits q.k before any mask (dense attention's input)
         self.probs = HookPoint("B T H S")  # attention probabilities after the sparse and causal masks
+        self.head_out = HookPoint("B T H Dv")  # each head's output p v, before wo mixes the heads
 
     def forward(
         self,
@@ -88,7 +89,7 @@ class MLA(nn.Module):
             x = einsum("bsht,bthd->bshd", scores, v)  # (B, T, H, Dv)
         else:  # decode: absorb wkv_b into the query and the output, attend over the latent (MQA)
             x = self._mqa(q_nope, q_pe, kv, k_pe, index_mask)  # (B, T, H, Dv)
-        return self.wo(x.flatten(2))
+        return self.wo(self.head_out(x).flatten(2))
 
     def _mqa(self, q_nope, q_pe, kv, k_pe, index_mask) -> torch.Tensor:
         """One position's attention over the cached latents: wkv_b's key part absorbed into the query,

@@ -158,6 +158,13 @@ REGISTRY: tuple[SiteSpec, ...] = (
         derive=_probs_mean,
         patchable=False,
     ),
+    SiteSpec(
+        "layers.{i}.attn.head_out",
+        "B T H Dv",
+        F32,
+        "each head's output `p v` before `wo` mixes the heads (what patching a head replaces)",
+        rank_local=True,
+    ),
     SiteSpec("layers.{i}.attn_out", "B T D", F32, "the attention update"),
     SiteSpec("layers.{i}.resid_mid", "B T D", F32, "x'_n = x_n + the attention update (float32 sum)", default=True),
     SiteSpec(
@@ -537,6 +544,7 @@ def dims(args: ModelArgs, name: str, n_tokens: int) -> dict[str, int]:
         "G": args.n_expert_groups,
         "k": args.n_activated_experts,
         "topk_groups": args.n_limited_groups,
+        "Dv": args.v_head_dim,
         "V": args.vocab_size,
         "L": LOGIT_LENS_TOPK,
         "A": NEXT_TOPK,

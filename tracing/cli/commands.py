@@ -23,6 +23,7 @@ from ..runner import TraceRequest
 from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
+from . import patching as patching_cli
 from . import serve
 from .inputs import SEEDS, Parser, finite, integer, is_int, regular_file
 from .loading import (
@@ -40,13 +41,14 @@ BAD_INPUT = (CheckpointError, ConfigError, InputError, TraceError, TokenizerErro
 CONFIG_BYTES = 1 << 20  # a config.json is a few KB; more is not one
 
 
-def _token_ids(text: str) -> list[int]:
+def token_ids(text: str, flag: str = "--token-ids") -> list[int]:
+    """A flag's comma-separated token ids."""
     parts = [part for part in text.split(",") if part.strip()]
     if not all(is_int(part) for part in parts):
-        raise InputError(f"--token-ids {text!r}: expected comma-separated integers like 1,2,3")
+        raise InputError(f"{flag} {text!r}: expected comma-separated integers like 1,2,3")
     ids = [int(part) for part in parts]
     if not ids:
-        raise InputError("--token-ids is empty: nothing to trace")
+        raise InputError(f"{flag} is empty: nothing to trace")
     return ids
 
 
@@ -96,7 +98,7 @@ def request_from_args(args: argparse.Namespace) -> TraceRequest:
     }
     request = TraceRequest(
         prompt=args.prompt,
-        token_ids=None if args.token_ids is None else _token_ids(args.token_ids),
+        token_ids=None if args.token_ids is None else token_ids(args.token_ids),
         chat=args.chat,
         thinking=args.thinking,
         record=args.record,
@@ -400,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     atlas_cli.add_parser(sub)
+    patching_cli.add_parser(sub)
     serve.add_parser(sub)
     return parser
 

@@ -1,0 +1,118 @@
+"""``python -m tracing patching``: activation patching between a clean and a corrupt prompt
+(tracing.analyses.patching), the table ``patching`` and ``summary.json`` in a directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import InputError
+from .inputs import integer
+from .loading import add_device_options, add_source_options
+
+FILES = frozenset({"patching.csv", "patching.parquet", "summary.json"})  # what a sweep's directory holds
+
+
+def add_parser(sub) -> None:
+    patching = sub.add_parser(
+        "patching",
+        help="activation patching: the corrupt prompt with one value of the clean one put back, per site, block, "
+        "position (head, expert), scored by the logit difference (table patching, summary.json)",
+    )
+    add_source_options(patching, "synthetic weights of this config (give --clean-ids and --corrupt-ids)", server=True)
+    for which in ("clean", "corrupt"):
+        given = patching.add_mutually_exclusive_group(required=True)
+        given.add_argument(f"--{which}", metavar="TEXT", help=f"the {which} prompt")
+        given.add_argument(f"--{which}-ids", metavar="1,2,3", help=f"the {which} prompt as token ids")
+    patching.add_argument("--target", metavar="TOKEN|ID", help="the logit difference's target (default: the clean top token)")
+    patching.add_argument(
+        "--contrast", metavar="TOKEN|ID", help="minus this token's logit (default: the corrupt run's top token)"
+    )
+    patching.add_argument(
+        "--sites", default="resid_pre,attn_out,ffn_out,heads,experts", help="which to patch (default: all five)"
+    )
+    patching.add_argument("--positions", default="all", help="all (default), last, or A:B (positions A..B-1)")
+    patching.add_argument("--max-runs", type=integer(1), default=5000, help="refuse a sweep of more patched runs (default 5000)")
+    patching.add_argument("--out", required=True, metavar="DIR", help="the directory: patching.csv, summary.json")
+    patching.add_argument("--parquet", action="store_true", help="also patching.parquet")
+    add_device_options(patching)
+    patching.set_defaults(func=cmd_patching)
+
+
+def cmd_patching(args: argparse.Namespace) -> int:
+    from ..analyses.patching import parse_sites, sweep
+    from ..runner import TraceRequest, token_id
+    from ..tables import to_csv_bytes
+    from .commands import token_ids
+    from .output import Outputs, check_directory
+    from .progress import ProgressBar
+
+    check_directory(args.out)
+    parse_sites(args.sites)
+    requests = [
+        TraceRequest(prompt=text, token_ids=None if ids is None else token_ids(ids, f"--{which}-ids")).check()
+        for which, text, ids in (("clean", args.clean, args.clean_ids), ("corrupt", args.corrupt, args.corrupt_ids))
+    ]
+    run, tokenizer, close = _runner(args, any(r.prompt is not None for r in requests))
+    progress = ProgressBar(1, enabled=sys.stderr.isatty())
+
+    def on_cell(i: int, n: int) -> None:
+        if i == 0:
+            print(f"patching: {n} runs, one forward each", file=sys.stderr)
+        progress.total = n
+        progress.update(i + 1, "cell")
+
+    try:
+        result = sweep(
+            run,
+            *requests,
+            target=args.target,
+            contrast=args.contrast,
+            sites=args.sites,
+            positions=args.positions,
+            max_runs=args.max_runs,
+            token_id=lambda flag, value: token_id(flag, value, tokenizer),
+            on_cell=on_cell,
+        )
+    finally:
+        progress.close()
+        close()
+    with Outputs() as out:  # the table and the summary land together or not at all
+        folder = out.directory(args.out, stale=FILES)
+        data = to_csv_bytes(result.table)
+        folder.write("patching.csv", lambda path: path.write_bytes(data))
+        if args.parquet:
+            folder.write("patching.parquet", lambda path: result.table.to_parquet(path, index=False))
+        summary = json.dumps(result.summary, indent=1, allow_nan=False).encode()
+        folder.write("summary.json", lambda path: path.write_bytes(summary))
+    s = result.summary
+    print(
+        f"patching: {s['runs']} runs in {s['seconds']:.1f} s; logit difference clean {s['clean']['logit_diff']:+.3f}, "
+        f"corrupt {s['corrupt']['logit_diff']:+.3f}; {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _runner(args, needs_tokenizer: bool):
+    """(run a request, the tokenizer or None, close): on a model server or a model loaded here."""
+    from ..runner import run
+
+    if args.server is not None:
+        from ..client import Client, read_token_file
+
+        client = Client(args.server, read_token_file(args.token_file))
+        return (lambda request: client.trace(request)), None, client.close  # a target given as text: refused, give ids
+    if args.token_file is not None:
+        raise InputError("--token-file applies to --server")
+    from .loading import open_from_args, parse_device, parse_dtype
+
+    loaded = open_from_args(args, parse_device(args.device), parse_dtype(args.dtype))
+    if needs_tokenizer and loaded.tokenizer is None:
+        raise InputError(f"{loaded.label} has no tokenizer.json: give --clean-ids and --corrupt-ids")
+
+    def local(request):
+        return run(loaded.model, request, loaded.tokenizer, device=loaded.device, context=loaded.context(), plan=loaded.plan)
+
+    return local, loaded.tokenizer, lambda: None
