@@ -367,3 +367,9 @@ def test_resume_refuses_weights_changed_in_place(capsys, tmp_path):
     shard = next(checkpoint.glob("*.safetensors"))
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     assert "weight files changed" in refused(capsys, *argv, "--resume")
+    from tracing.atlas import AtlasError, build_atlas
+    from tracing.cli.loading import open_checkpoint
+
+    with pytest.raises(AtlasError, match="weight files changed"):  # the Python API fingerprints them too
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+        build_atlas(open_checkpoint(checkpoint), [Source(SAMPLE)], tmp_path / "atlas", seq_len=64, max_tokens=200, resume=True)

@@ -393,5 +393,7 @@ def build_atlas(loaded, sources: list[Source], out: str | os.PathLike, **setting
     run's (checkpoint_every, progress, on_round)."""
     run_keys = ("checkpoint_every", "progress", "on_round")
     run = {k: settings.pop(k) for k in run_keys if k in settings}
+    directory = getattr(loaded.source, "directory", None)  # a checkpoint's (SafetensorsSource); synthetic weights have none
+    settings.setdefault("weights", shard_fingerprint(directory) if directory is not None else None)
     job = AtlasJob(sources, settings.pop("tokenizer", loaded.tokenizer), loaded.model.args, out, label=loaded.label, **settings)
     return job.run(loaded, **run)
