@@ -405,6 +405,8 @@ def trace_tokens(
         values = tracer.merged(len(ids))
     if tracer.attributes and not tracer.attribution_info:
         raise InputError(f"--position {attribution.position}: the run ended after {len(ids)} positions (end of sequence)")
+    if (info := tracer.attribution_info) and info.get("contrast") is not None and info["target"] == info["contrast"]:
+        raise InputError(f"--contrast {info['contrast']} is the top prediction, the default target: give a --target")
     values["tokens"] = torch.tensor(ids, dtype=torch.int64)
     info = {"dtype": str(model.dtype).removeprefix("torch.")}  # nothing run-dependent: same prompt, same bytes
     if n_prefill < n_prompt:

@@ -316,8 +316,16 @@ MISLEADING = {
 }
 
 
-@pytest.mark.parametrize("case", [*MISLEADING, "a patch forcing one expert twice", "--checkpoint-every nan", "wrong messages"])
-def test_nothing_is_silent_or_misleading(capsys, tmp_path, tiny_checkpoint, case):
+OTHER_MISLEADING = [
+    "--contrast the default target",
+    "a patch forcing one expert twice",
+    "--checkpoint-every nan",
+    "wrong messages",
+]
+
+
+@pytest.mark.parametrize("case", [*MISLEADING, *OTHER_MISLEADING])
+def test_nothing_is_silent_or_misleading(capsys, tmp_path, tiny_checkpoint, tiny_source, case):
     if case == "a patch forcing one expert twice":
         chosen = torch.arange(TINY.n_activated_experts).repeat(3, 1)
         chosen[1, 1] = chosen[1, 0]
