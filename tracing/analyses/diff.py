@@ -1,5 +1,10 @@
-"""Comparing two traces of the same prompt: how far the streams drift apart, which experts and
-which indexer keys changed, and how the predictions moved."""
+"""Comparing two traces: how far the streams drift apart, which experts and which indexer keys
+changed, and how the predictions moved.
+
+Two runs of one prompt (an intervention against the plain run) compare position by position; so do
+two prompts of one length (a clean and a corrupt prompt), every table marking the positions whose
+tokens differ (``same_token``); prompts of different lengths compare at their last positions only
+(and the summary says so), where both predict the next token."""
 
 from __future__ import annotations
 
@@ -15,12 +20,28 @@ _STREAM = ("resid_pre", "resid_mid", "resid_post")
 
 
 def _check(a: Trace, b: Trace) -> None:
-    if a.token_ids != b.token_ids:
-        raise InputError("the traces are of different prompts (token ids differ): nothing to compare position by position")
     for name in ("n_layers", "dim", "vocab_size"):  # the streams and the next-token distributions compared entry by entry
         x, y = getattr(a.config, name), getattr(b.config, name)
         if x != y:
             raise InputError(f"the traces come from models of different shapes ({name} {x} and {y})")
+
+
+def _rows(a: Trace, b: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """The positions compared: every one for traces of one length, else each trace's last."""
+    if a.n_tokens == b.n_tokens:
+        return np.arange(a.n_tokens), np.arange(b.n_tokens)
+    return np.array([a.n_tokens - 1]), np.array([b.n_tokens - 1])
+
+
+def _positions(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray) -> dict:
+    """The columns every position table has: a's position and token, b's token, and whether they agree."""
+    ids_a, ids_b = np.asarray(a.token_ids)[ia], np.asarray(b.token_ids)[ib]
+    return {
+        "position": ia,
+        "token": np.asarray(a.tokens, dtype=object)[ia],
+        "token_b": np.asarray(b.tokens, dtype=object)[ib],
+        "same_token": ids_a == ids_b,
+    }
 
 
 def _sets(x: np.ndarray) -> list[frozenset]:
@@ -29,42 +50,44 @@ def _sets(x: np.ndarray) -> list[frozenset]:
 
 def stream_diff(a: Trace, b: Trace) -> pd.DataFrame:
     frames = []
-    pos, tok = np.arange(a.n_tokens), np.asarray(a.tokens, dtype=object)
+    ia, ib = _rows(a, b)
+    where = _positions(a, b, ia, ib)
     for i in range(a.config.n_layers):
         for site in _STREAM:
             x, y = a.site(i, site), b.site(i, site)
             if x is None or y is None:
                 continue
-            x, y = x.double(), y.double()
+            x, y = x[ia].double(), y[ib].double()
             rel = (x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
             cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
-            frames.append(
-                pd.DataFrame(
-                    {"layer": i, "site": site, "position": pos, "token": tok, "rel_l2": rel.numpy(), "cosine": cos.numpy()}
-                )
-            )
+            columns = {"layer": i, "site": site, "position": where["position"], "token": where["token"]}
+            extra = {"token_b": where["token_b"], "same_token": where["same_token"]}
+            frames.append(pd.DataFrame({**columns, "rel_l2": rel.numpy(), "cosine": cos.numpy(), **extra}))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def _selection_diff(a: Trace, b: Trace, suffix: str, what: str) -> pd.DataFrame:
     frames = []
-    tok = np.asarray(a.tokens, dtype=object)
+    ia, ib = _rows(a, b)
+    where = _positions(a, b, ia, ib)
     for i in range(a.config.n_layers):
         x, y = a.site(i, suffix), b.site(i, suffix)
         if x is None or y is None:
             continue
-        sa, sb = _sets(x.numpy()), _sets(y.numpy())
+        sa, sb = _sets(x.numpy()[ia]), _sets(y.numpy()[ib])
         frames.append(
             pd.DataFrame(
                 {
                     "layer": i,
-                    "position": np.arange(len(sa)),
-                    "token": tok,
+                    "position": where["position"],
+                    "token": where["token"],
                     f"{what}_a": [" ".join(map(str, sorted(s))) for s in sa],
                     f"{what}_b": [" ".join(map(str, sorted(s))) for s in sb],
                     "only_a": [len(x - y) for x, y in zip(sa, sb, strict=True)],
                     "only_b": [len(y - x) for x, y in zip(sa, sb, strict=True)],
                     "jaccard": [len(x & y) / max(len(x | y), 1) for x, y in zip(sa, sb, strict=True)],
+                    "token_b": where["token_b"],
+                    "same_token": where["same_token"],
                 }
             ).assign(changed=lambda f: (f.only_a + f.only_b) > 0)
         )
@@ -74,23 +97,25 @@ def _selection_diff(a: Trace, b: Trace, suffix: str, what: str) -> pd.DataFrame:
 def predictions_diff(a: Trace, b: Trace) -> pd.DataFrame:
     """Top-1 token of the logit lens per block and position, in both traces."""
     frames = []
-    tok = np.asarray(a.tokens, dtype=object)
+    ia, ib = _rows(a, b)
+    where = _positions(a, b, ia, ib)
     for i in range(a.config.n_layers):
         ids_a, ids_b = a.site(i, "logit_lens.topk_indices"), b.site(i, "logit_lens.topk_indices")
         if ids_a is None or ids_b is None:
             continue
-        top_a, top_b = ids_a[:, 0].numpy(), ids_b[:, 0].numpy()
+        top_a, top_b = ids_a[ia, 0].numpy(), ids_b[ib, 0].numpy()
         frame = {
             "layer": i,
-            "position": np.arange(len(top_a)),
-            "token": tok,
+            "position": where["position"],
+            "token": where["token"],
             "top1_a": _names(a, top_a),
             "top1_b": _names(b, top_b),
         }
         prob_a, prob_b = a.site(i, "logit_lens.topk_probs"), b.site(i, "logit_lens.topk_probs")
         if prob_a is not None and prob_b is not None:
-            frame["prob_a"], frame["prob_b"] = prob_a[:, 0].numpy(), prob_b[:, 0].numpy()
+            frame["prob_a"], frame["prob_b"] = prob_a[ia, 0].numpy(), prob_b[ib, 0].numpy()
         frame["changed"] = top_a != top_b
+        frame["token_b"], frame["same_token"] = where["token_b"], where["same_token"]
         frames.append(pd.DataFrame(frame))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -110,11 +135,12 @@ def diff_tables(a: Trace, b: Trace) -> dict[str, pd.DataFrame]:
     out = {
         "stream": stream_diff(a, b),
         "experts": _selection_diff(a, b, "ffn.gate.topk_indices", "experts"),
-        "indexer_keys": _selection_diff(a, b, "attn.indexer.topk_indices", "keys"),
+        # key positions mean the same in both only for traces of one length
+        "indexer_keys": _selection_diff(a, b, "attn.indexer.topk_indices", "keys") if a.n_tokens == b.n_tokens else None,
         "predictions": predictions_diff(a, b),
         "next_token": next_token_diff(a, b),
     }
-    return {name: frame for name, frame in out.items() if not frame.empty}
+    return {name: frame for name, frame in out.items() if frame is not None and not frame.empty}
 
 
 def _figure(value: float, digits: int | None = None) -> float | None:
@@ -131,6 +157,13 @@ def summary(a: Trace, b: Trace, tables: dict[str, pd.DataFrame] | None = None) -
     is undefined (from NaN values) is None, so the line stays valid JSON."""
     tables = tables if tables is not None else diff_tables(a, b)
     out: dict = {"tokens": a.n_tokens}
+    if a.token_ids != b.token_ids:
+        out["tokens_b"] = b.n_tokens
+        if a.n_tokens == b.n_tokens:
+            out["compared"] = "every position"
+            out["differing_positions"] = [p for p in range(a.n_tokens) if a.token_ids[p] != b.token_ids[p]]
+        else:
+            out["compared"] = f"the last positions only (the prompts have {a.n_tokens} and {b.n_tokens} tokens)"
     stream = tables.get("stream")
     if stream is not None:
         by_layer = stream.groupby("layer")["rel_l2"]

@@ -144,8 +144,29 @@ def test_cli_patch_interventions_and_diff(capsys, tiny_checkpoint, tmp_path, bas
     assert (
         main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", "1,2", "--out", str(tmp_path / "c.safetensors")]) == 0
     )
-    assert main(["diff", str(a), str(tmp_path / "c.safetensors")]) == 2
-    assert "different prompts" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["diff", str(a), str(tmp_path / "c.safetensors")]) == 0  # another length: the last positions
+    out = json.loads(capsys.readouterr().out)
+    assert out["compared"] == f"the last positions only (the prompts have {len(IDS)} and 2 tokens)"
+
+
+def test_two_prompts_of_one_length_compare_position_by_position(tiny_model, tmp_path):
+    other = list(IDS)
+    other[5] = 111
+    a, b = (
+        trace_tokens(tiny_model, IDS, record=["default", LOGIT_LENS]),
+        trace_tokens(tiny_model, other, record=["default", LOGIT_LENS]),
+    )
+    tables = diff_tables(a, b)
+    stream = tables["stream"]
+    assert (stream.loc[~stream["same_token"], "position"] == 5).all() and (~stream["same_token"]).any()
+    before = stream[stream["position"] < 5]
+    assert (before["rel_l2"] == 0).all()  # causal: the positions before the first differing token agree
+    assert (stream.loc[stream["position"] == 5, "rel_l2"] > 0).all()
+    info = summary(a, b, tables)
+    assert info["differing_positions"] == [5] and info["compared"] == "every position"
+    for name in ("experts", "indexer_keys", "predictions"):
+        assert "same_token" in tables[name] and "token_b" in tables[name]
 
 
 def test_an_ablated_expert_stays_ablated_without_the_correction_bias(tiny_model, base):
