@@ -171,6 +171,7 @@ NO_TRACEBACK = {
         + ["--generate", "2", "--temperature", "1", "--seed", str(2**70)]
     ),
     "serve --port 99999": lambda tmp, ckpt: ["serve", "--checkpoint", ckpt, "--port", "99999"],
+    'info --checkpoint ""': lambda tmp, ckpt: ["info", "--checkpoint", ""],
     "--device meta": lambda tmp, ckpt: [
         "run",
         "--checkpoint",
@@ -313,6 +314,7 @@ MISLEADING = {
     "--temperature inf": ["--generate", "2", "--temperature", "inf"],
     "--top-p nan": ["--generate", "2", "--temperature", "1", "--top-p", "nan"],
     '--record ""': ["--record", ""],
+    '--patch ""': ["--patch", ""],
 }
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from .inputs import finite, integer
+from .inputs import finite, integer, named_path
 from .loading import add_device_options, add_source_options
 
 
@@ -19,12 +19,18 @@ def add_parser(sub) -> None:
         "bias effect, indexer reach, recall and sinks (Parquet tables and summary.json)",
     )
     add_source_options(atlas, "synthetic weights of this config (needs --tokenizer)")
-    atlas.add_argument("--tokenizer", metavar="DIR", help="with --synthetic: a directory with tokenizer.json, or 'demo'")
+    atlas.add_argument(
+        "--tokenizer", type=named_path, metavar="DIR", help="with --synthetic: a directory with tokenizer.json, or 'demo'"
+    )
     texts = atlas.add_mutually_exclusive_group()
-    texts.add_argument("--text-file", action="append", metavar="F", help="a UTF-8 text file (repeat for more)")
-    texts.add_argument("--jsonl", action="append", metavar="F", help="JSON Lines, one text per record (repeat for more)")
+    texts.add_argument("--text-file", type=named_path, action="append", metavar="F", help="a UTF-8 text file (repeat for more)")
+    texts.add_argument(
+        "--jsonl", type=named_path, action="append", metavar="F", help="JSON Lines, one text per record (repeat for more)"
+    )
     atlas.add_argument("--field", default="text", help="with --jsonl: the field that holds the text (default text)")
-    atlas.add_argument("--out", required=True, metavar="DIR", help="the atlas directory (tables, summary.json, checkpoint)")
+    atlas.add_argument(
+        "--out", type=named_path, required=True, metavar="DIR", help="the atlas directory (tables, summary.json, checkpoint)"
+    )
     atlas.add_argument(
         "--seq-len", type=integer(), help="positions per sequence, BOS included (default 512, at most the model's limit)"
     )

@@ -25,7 +25,7 @@ from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
 from . import patching as patching_cli
 from . import serve
-from .inputs import SEEDS, Parser, finite, integer, is_int, regular_file
+from .inputs import SEEDS, Parser, finite, integer, is_int, named_path, regular_file
 from .loading import (
     add_device_options,
     add_source_options,
@@ -321,9 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
     inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
     run.add_argument(
-        "--out", required=True, help="trace file to write (.safetensors); replaces a regular file, refuses anything else"
+        "--out",
+        type=named_path,
+        required=True,
+        help="trace file to write (.safetensors); replaces a regular file, refuses anything else",
     )
-    run.add_argument("--csv", help=f"also write every table as CSV into this directory{_REUSED}")
+    run.add_argument("--csv", type=named_path, help=f"also write every table as CSV into this directory{_REUSED}")
     run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
     add_device_options(run)
     run.add_argument(
@@ -348,8 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of DeepSeek-V3.2's chat format")
     run.add_argument("--thinking", action="store_true", help="with --chat: the assistant turn starts in thinking mode")
     run.add_argument("--record", default="default", help="sites to record: glob patterns, comma-separated; 'default', 'all'")
-    run.add_argument("--patch", help="safetensors file of site values that replace the model's (interventions)")
-    run.add_argument("--patch-from", metavar="TRACE", help="patch the --sites of this trace file (another prompt's run) in")
+    run.add_argument("--patch", type=named_path, help="safetensors file of site values that replace the model's (interventions)")
+    run.add_argument(
+        "--patch-from", type=named_path, metavar="TRACE", help="patch the --sites of this trace file (another prompt's run) in"
+    )
     run.add_argument("--sites", metavar="PATTERN,...", help="with --patch-from: the sites to patch (glob patterns)")
     run.add_argument("--positions", metavar="P|A:B", help="with --patch or --patch-from: patch only these positions (A..B-1)")
     at = "[@P|@A:B]"  # the positions where a removal acts (default: every position)
@@ -376,27 +381,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     dif = sub.add_parser("diff", help="compare two traces of one prompt: stream drift, changed experts and keys, predictions")
-    dif.add_argument("a", help="first trace (the baseline)")
-    dif.add_argument("b", help="second trace")
-    dif.add_argument("--csv", help=f"write the comparison tables as CSV into this directory{_REUSED}")
+    dif.add_argument("a", type=named_path, help="first trace (the baseline)")
+    dif.add_argument("b", type=named_path, help="second trace")
+    dif.add_argument("--csv", type=named_path, help=f"write the comparison tables as CSV into this directory{_REUSED}")
     dif.set_defaults(func=cmd_diff)
 
     exp = sub.add_parser("export", help="write a trace's tables as CSV (and Parquet)")
-    exp.add_argument("trace", help="trace file")
-    exp.add_argument("--csv", required=True, help=f"output directory{_REUSED}")
+    exp.add_argument("trace", type=named_path, help="trace file")
+    exp.add_argument("--csv", type=named_path, required=True, help=f"output directory{_REUSED}")
     exp.add_argument("--parquet", action="store_true", help="Parquet files too")
     exp.set_defaults(func=cmd_export)
 
     info = sub.add_parser("info", help="parameter counts (and expected tensors) as JSON, from the architecture alone")
     isrc = info.add_mutually_exclusive_group(required=True)
-    isrc.add_argument("--checkpoint", help="checkpoint directory, or 'demo'")
-    isrc.add_argument("--config", help="config.json (Hugging Face) or the reference's JSON")
+    isrc.add_argument("--checkpoint", type=named_path, help="checkpoint directory, or 'demo'")
+    isrc.add_argument("--config", type=named_path, help="config.json (Hugging Face) or the reference's JSON")
     info.add_argument("--tensors", action="store_true", help="add every expected tensor name with [shape, dtype]")
     info.set_defaults(func=cmd_info)
 
     ev = sub.add_parser("eval", help="next-token NLL, perplexity, top-1 accuracy and bits per byte on a text file")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint directory, or 'demo'")
-    ev.add_argument("--text-file", required=True, help="UTF-8 text to score")
+    ev.add_argument("--checkpoint", type=named_path, required=True, help="checkpoint directory, or 'demo'")
+    ev.add_argument("--text-file", type=named_path, required=True, help="UTF-8 text to score")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="bfloat16")
     ev.set_defaults(func=cmd_eval)

@@ -69,6 +69,14 @@ def finite(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).strip()) from None
 
 
+def named_path(text: str) -> str:
+    """An argparse ``type`` for a file or directory: an empty one (an unset variable in
+    ``--out "$DIR"``) would be the current directory, or read as "not given"."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no file or directory")
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are InputErrors: the command line's one line and status 2,
     not argparse's usage block (its subcommands' parsers are of this class too)."""

@@ -14,7 +14,7 @@ from model.transformer import Transformer
 
 from ..errors import InputError
 from ..tokenizer import Tokenizer
-from .inputs import integer
+from .inputs import integer, named_path
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "assets" / "demo"
@@ -45,12 +45,12 @@ def add_device_options(parser) -> None:
 def add_source_options(parser, synthetic_help: str, server: bool = False) -> None:
     """--checkpoint DIR | --synthetic CONFIG [--n-layers N] (| --server URL [--token-file F]): the model a command runs."""
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="checkpoint directory (Hugging Face layout), or 'demo'")
-    src.add_argument("--synthetic", metavar="CONFIG", help=synthetic_help)
+    src.add_argument("--checkpoint", type=named_path, help="checkpoint directory (Hugging Face layout), or 'demo'")
+    src.add_argument("--synthetic", type=named_path, metavar="CONFIG", help=synthetic_help)
     parser.add_argument("--n-layers", type=integer(), help="with --synthetic: keep the first N blocks")
     if server:
         src.add_argument("--server", metavar="URL", help="a model server (python -m tracing serve) runs it instead")
-        parser.add_argument("--token-file", help="with --server: the file holding its bearer token")
+        parser.add_argument("--token-file", type=named_path, help="with --server: the file holding its bearer token")
 
 
 def open_from_args(args, device, dtype, progress=None, split: bool = True, group=None) -> Loaded:

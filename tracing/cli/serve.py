@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..errors import InputError
-from .inputs import finite, integer
+from .inputs import finite, integer, named_path
 from .loading import add_device_options, add_source_options, open_from_args, parse_device, parse_dtype
 
 DEFAULT_PORT = 8600
@@ -35,7 +35,9 @@ def add_parser(sub) -> None:
         "--host", default="127.0.0.1", help="address to listen on (default loopback; any other needs --token-file)"
     )
     serve.add_argument("--port", type=integer(0, 65535), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    serve.add_argument("--token-file", help="file holding the bearer token every client must send (Authorization: Bearer ...)")
+    serve.add_argument(
+        "--token-file", type=named_path, help="file holding the bearer token every client must send (Authorization: Bearer ...)"
+    )
     serve.add_argument(
         "--max-prompt-tokens", type=integer(), default=4096, help="longest prompt a request may bring (default 4096)"
     )
