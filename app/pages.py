@@ -34,6 +34,7 @@ PAGES = (
     Page("generation", "Generation", ":material/edit_note:"),
     Page("interventions", "Interventions", ":material/science:"),
     Page("attribution", "Attribution", ":material/call_split:"),
+    Page("patching", "Patching", ":material/swap_horiz:"),
     Page("atlas", "Atlas", ":material/public:", traced=False),
     Page("export", "Export", ":material/download:"),
 )

@@ -233,6 +233,7 @@ def request_for(
     attribution: AttributionRequest | None = None,
     record: Sequence[str] | None = None,
     patches: dict | None = None,
+    patch_positions: str | None = None,
 ) -> TraceRequest:
     """The TraceRequest of what a page asks: the prompt as typed (token ids where the checkpoint has
     no tokenizer), the sidebar's generation and chat framing, a page's interventions, attribution
@@ -266,6 +267,7 @@ def request_for(
         contrast=None if attribution is None else attribution.contrast,
         interventions=dict(interventions or {}),
         patches=patches,
+        patch_positions=patch_positions,
     )
 
 
@@ -303,10 +305,12 @@ def trace_prompt(
     attribution: AttributionRequest | None = None,
     record: Sequence[str] | None = None,
     chat: Chat | None = None,
+    patch_positions: str | None = None,
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
-    ``patches`` (site name -> tensor) change the run; ``variant`` names them in the store's key (a
+    ``patches`` (site name -> tensor; at ``patch_positions`` only, when given) change the run;
+    ``variant`` names them in the store's key (a
     run with patches needs one), e.g. a digest of the intervention, so a baseline and its
     intervened twin are cached side by side. ``interventions`` (the spec
     tracing.analyses.interventions.from_spec reads: ablations, no correction bias, another
@@ -329,7 +333,7 @@ def trace_prompt(
     entry = store().get(key)
     if entry is not None:
         return entry
-    request = request_for(om, prompt, generation, chat, interventions, attribution, record, patches)
+    request = request_for(om, prompt, generation, chat, interventions, attribution, record, patches, patch_positions)
     ids = _encoded(om, request)
     if record is None:
         request = dataclasses.replace(request, record=tuple(record_patterns(om.args, len(ids) + request.generate)))

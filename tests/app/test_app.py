@@ -24,8 +24,8 @@ from tests.app.apptest import APP, TIMEOUT, messages, start
 from tracing.tables import to_csv_bytes
 
 PAGES = [
-    p.name for p in pages.PAGES if p.traced and p.name not in ("interventions", "attribution")
-]  # those two run the model again: tests/test_app_interventions.py, test_app_attribution.py; the atlas: test_app_atlas.py
+    p.name for p in pages.PAGES if p.traced and p.name not in ("interventions", "attribution", "patching")
+]  # those run the model again: tests/app/test_app_interventions.py, _attribution.py, _patching.py; the atlas: _atlas.py
 REAL = ModelArgs.from_file(Path(__file__).resolve().parents[2] / "assets" / "configs" / "config_671B_hf.json")
 
 
@@ -373,6 +373,9 @@ def fake_trace(args: ModelArgs, n_tokens: int, seed: int = 0):
         shape = site_shape(args, name, legend, n_tokens)
         if dtype == torch.float32:
             tensors[name] = torch.randn(shape, generator=g)
+    top = site_shape(args, "next.topk_indices", shapes["next.topk_indices"][0], n_tokens)  # each position's top tokens
+    tensors["next.topk_indices"] = torch.randint(0, args.vocab_size, top, generator=g)
+    tensors["next.topk_probs"] = torch.rand(top, generator=g).sort(-1, descending=True).values
     for i in range(args.n_layers):
         scores = torch.randn(n_tokens, n_tokens, generator=g).masked_fill(~causal, float("-inf"))
         k = min(args.index_topk, n_tokens)

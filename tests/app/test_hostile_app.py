@@ -351,7 +351,7 @@ def test_nan_in_the_router_warns_and_every_page_renders(app):
         assert not app.exception, (page, [e.value for e in app.exception])
         assert not app.error, (page, messages(app.error))
         assert f"first in `layers.{block}.ffn.gate.scores` at position 3" in messages(app.warning), page
-        if page not in ("export", "interventions", "attribution"):  # those two run the model; the upload has none
+        if page not in ("export", "interventions", "attribution", "patching"):  # these run the model; the upload has none
             assert app.get("plotly_chart"), page
     app.switch_page("views/router.py").run()
     assert any("router scores" in str(s.value) for s in app.subheader)

@@ -1,0 +1,56 @@
+"""Activation patching (tracing.analyses.patching) as heat maps: for each site, blocks x positions
+of ``value`` (1: the clean answer restored, 0: nothing changed); a site with heads or experts shows,
+per block and position, the one whose patch restored most (its value, the head or expert in the
+hover), as TransformerLens' patching plots do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from .figures import DIVERGING, figure, heat_height, heatmap, positions
+
+TITLES = {
+    "resid_pre": "the stream entering the block",
+    "attn_out": "the attention update",
+    "ffn_out": "the FFN update",
+    "heads": "one head's output (the best head per cell)",
+    "experts": "one routed expert's output (the best expert per cell)",
+}
+
+
+def grid(table: pd.DataFrame, site: str, n_positions: int) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+    """(blocks x positions of the value, of the head or expert it came from (-1: none), the blocks), or None
+    when the table has no row of the site. Cells not patched are NaN."""
+    rows = table[table["site"] == site]
+    if rows.empty:
+        return None
+    best = rows.loc[rows.groupby(["block", "position"])["value"].idxmax()]
+    blocks = sorted(best["block"].unique().tolist())
+    z = np.full((len(blocks), n_positions), np.nan)
+    index = np.full((len(blocks), n_positions), -1)
+    where = {b: i for i, b in enumerate(blocks)}
+    for row in best.itertuples():
+        z[where[row.block], row.position] = row.value
+        index[where[row.block], row.position] = row.index
+    return z, index, blocks
+
+
+def patching_figure(z: np.ndarray, index: np.ndarray, blocks: list[int], labels: list[str], site: str) -> go.Figure:
+    """One site's blocks x positions; a symmetric diverging scale covering the data (a patch may overshoot
+    1 or push the wrong way)."""
+    finite = z[np.isfinite(z)]
+    limit = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
+    rows = [f"block {b}" for b in blocks]
+    which = "head" if site == "heads" else "expert" if site == "experts" else ""
+    hover = "%{y}, %{x}: restored %{z:.3f}" + (f" ({which} %{{customdata}})" if which else "")
+    trace = heatmap(z, rows, hover, x=labels, scale="restored", colorscale=DIVERGING, zmin=-limit, zmax=limit, customdata=index)
+    title = f"Patching {TITLES.get(site, site)}: share of the clean logit difference restored"
+    return figure(
+        [trace],
+        title,
+        height=heat_height(len(rows), lo=220),
+        xaxis=positions(labels, "position"),
+        yaxis={"autorange": "reversed", "type": "category"},
+    )
