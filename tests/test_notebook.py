@@ -18,7 +18,8 @@ def test_the_example_notebook_runs_and_answers_its_questions(tmp_path, monkeypat
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     assert not any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "kept without outputs"
-    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    where = {"metadata": {"path": str(tmp_path)}}  # outside the repository, as a user's notebook
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources=where)
     client.execute()  # raises CellExecutionError, with the cell and its traceback, when a cell fails
     shown = "\n".join(
         str(out.get("text") or out.get("data", {}).get("text/plain", ""))
