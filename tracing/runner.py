@@ -385,20 +385,26 @@ def trace_tokens(
         with tracer, context or nullcontext():
             tracer.token_ids = ids  # the tracer reads each position's following token (appended as chosen)
             cache = model.new_cache()
-            logits = model(batch[:, :n_prefill], cache=cache)
+            every = "logits.all" in tracer.sites  # the head at every position: the model's all_logits
+
+            def forward(tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:  # (B, V): the last position's
+                out = model(tokens, start_pos=start_pos, cache=cache, all_logits=every)
+                return out[:, -1] if every else out
+
+            logits = forward(batch[:, :n_prefill])
             steps = len(ids) - n_prefill + generate
             for pos in range(n_prefill, len(ids)):  # the decode path, one position at a time
                 if on_step is not None:
                     on_step(pos - n_prefill + 1, steps)
                 tracer.next_pass(pos)
-                logits = model(batch[:, pos : pos + 1], start_pos=pos, cache=cache)
+                logits = forward(batch[:, pos : pos + 1], pos)
             generator = sampling.generator()
             for step in range(generate):
                 if on_step is not None:
                     on_step(n_prompt - n_prefill + step + 1, steps)
                 ids.append(choose(logits[0], sampling, generator))
                 tracer.next_pass(len(ids) - 1)
-                logits = model(torch.tensor([ids[-1:]], device=device), start_pos=len(ids) - 1, cache=cache)
+                logits = forward(torch.tensor([ids[-1:]], device=device), len(ids) - 1)
                 if model.args.is_eos(ids[-1]):
                     stopped = "eos"
                     break

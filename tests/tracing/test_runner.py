@@ -100,3 +100,20 @@ def test_the_json_form_carries_every_field_but_the_patches():
         TraceRequest.from_json("[" * 100_000)
     with pytest.raises(InputError, match="NaN or infinity"):
         TraceRequest(token_ids=(1,), generate=1, temperature=float("inf")).to_json()
+
+
+def test_logits_all_records_every_positions_logits_as_documented(tiny_model):
+    """`--record logits.all` is a documented site: [T, V], its last row the model's last logits, on the
+    prefill and through the decode path alike."""
+    import torch
+
+    from tracing.runner import trace_tokens
+
+    ids = [7, 3, 99, 41, 250, 18, 6]
+    whole = trace_tokens(tiny_model, ids, record=["logits.all", "logits.last"])
+    assert whole["logits.all"].shape == (len(ids), tiny_model.args.vocab_size)
+    assert torch.equal(whole["logits.all"][-1], whole["logits.last"])
+    decoded = trace_tokens(tiny_model, ids, record=["logits.all", "logits.last"], prefill=4, generate=2)
+    assert decoded["logits.all"].shape == (len(ids) + 2, tiny_model.args.vocab_size)
+    torch.testing.assert_close(decoded["logits.all"][:4], whole["logits.all"][:4], atol=0.05, rtol=0.02)  # the prefill
+    assert torch.equal(decoded["logits.all"][-1], decoded["logits.last"])  # the last decode step's
