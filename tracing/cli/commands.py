@@ -166,7 +166,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             out.file(args.out, trace.to_bytes())
             if args.csv:
                 stage_tables(out, frames, args.csv, parquet=args.parquet)
+        print(said(trace, args), file=sys.stderr)
     return 0
+
+
+def said(trace: Trace, args: argparse.Namespace) -> str:
+    """``run``'s one line: what ran, what the model said (the top next token, or the text it wrote),
+    where the files went."""
+    from ..tables.frames import next_token_table
+
+    line = f"traced {trace.n_tokens} tokens"
+    if generation := trace.extra.get("generation"):
+        start = generation["start"]
+        line += f"; wrote {generation['generated']} ({generation['stopped']}): {''.join(trace.tokens[start:])!r}"
+    elif not (top := next_token_table(trace, 1)).empty:
+        line += f"; next token {top['token'].iloc[0]!r} (p={top['probability'].iloc[0]:.3f})"
+    return line + f"; {args.out}" + (f", tables in {args.csv}" if args.csv else "")
 
 
 def _causal(loaded, request: TraceRequest, trace: Trace, n: int, report: bool):
@@ -224,6 +239,7 @@ def _run_on_server(args: argparse.Namespace, request: TraceRequest) -> int:
         out.file(args.out, data)
         if args.csv:
             stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
+    print(said(trace, args), file=sys.stderr)
     return 0
 
 

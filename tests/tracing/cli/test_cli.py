@@ -297,3 +297,14 @@ def test_eval_prints_one_json_line(capsys, checkpoint_with_tokenizer, tmp_path):
     assert code == 2 and "empty" in err
     code, _, err = run(capsys, "eval", "--checkpoint", str(checkpoint_with_tokenizer), "--text-file", str(tmp_path / "none.txt"))
     assert code == 2 and "cannot read" in err
+
+
+def test_run_says_what_it_did_in_one_line(tmp_path, capsys):
+    from tracing.cli.loading import DEMO
+
+    out = tmp_path / "t.safetensors"
+    assert main(["run", "--checkpoint", str(DEMO), "--prompt", "Anne had not seen Captain", "--out", str(out)]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("traced 7 tokens; next token ' Wentworth' (p=") and line.endswith(str(out))
+    assert main(["run", "--checkpoint", str(DEMO), "--prompt", "Anne", "--generate", "3", "--out", str(out)]) == 0
+    assert "; wrote 3 (length): '" in capsys.readouterr().err
