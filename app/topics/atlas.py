@@ -200,7 +200,7 @@ def expert_card(atlas: Atlas, block: int, expert: int, matrix: np.ndarray) -> di
     load = atlas.tables["expert_load"]
     row = load[(load["block"] == block) & (load["expert"] == expert)]
     tokens = atlas.tables["expert_tokens"]
-    tokens = tokens[(tokens["block"] == block) & (tokens["expert"] == expert)].sort_values("pmi", ascending=False)
+    tokens = tokens[(tokens["block"] == block) & (tokens["expert"] == expert)].sort_values("specificity", ascending=False)
     partners = pd.DataFrame({"expert": np.arange(matrix.shape[0]), "tokens_together": matrix[expert]})
     partners = partners[partners["expert"] != expert].sort_values("tokens_together", ascending=False).head(8)
     own = int(row["count"].iloc[0]) if not row.empty else 0
@@ -210,7 +210,7 @@ def expert_card(atlas: Atlas, block: int, expert: int, matrix: np.ndarray) -> di
         "share": float(row["share"].iloc[0]) if not row.empty else 0.0,
         "mean_weight": float(row["weight_sum"].iloc[0]) / own if own else 0.0,
         "tokens": tokens.assign(token=tokens["token"].map(lambda t: show_token(t, html_escape=False)))[
-            ["token", "token_id", "count", "pmi"]
+            ["token", "token_id", "count", "specificity", "pmi"]
         ],
         "partners": partners.reset_index(drop=True),
     }

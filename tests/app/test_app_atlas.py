@@ -68,7 +68,7 @@ def test_every_section_draws_from_the_tables(app):
     assert f"chosen for {int(busiest['count']):,} tokens" in messages(app.markdown)
     specific, partners = app.dataframe[0].value, app.dataframe[1].value
     want = bundled.tables["expert_tokens"].query("block == @moe[-1] and expert == @busiest.expert")
-    assert list(specific["token_id"]) == list(want.sort_values("pmi", ascending=False)["token_id"])
+    assert list(specific["token_id"]) == list(want.sort_values("specificity", ascending=False)["token_id"])
     assert len(partners) > 0 and (partners["tokens_together"].diff().dropna() <= 0).all()
 
     show(app, "Routing bias")

@@ -17,6 +17,7 @@ from model.config import ModelArgs
 from .counts import FIXED, RECALL_BINS, distance_bins, far_pairs, sink_bins
 
 TOP_TOKENS = 20  # most specific tokens kept per expert
+PRIOR = 10.0  # the specificity's prior, in occurrences of a token that choose the expert at its average rate
 TOP_SINKS = 20  # key positions, and tokens, kept per block
 QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90}
 
@@ -24,7 +25,7 @@ QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90}
 COLUMNS = {
     "expert_load": ("block", "expert", "count", "weight_sum", "share"),
     "expert_pairs": ("block", "expert_a", "expert_b", "count"),
-    "expert_tokens": ("block", "expert", "token_id", "token", "count", "pmi"),
+    "expert_tokens": ("block", "expert", "token_id", "token", "count", "pmi", "specificity"),
     "group_load": ("block", "group", "count"),
     "bias_effect": ("block", "tokens", "tokens_changed", "selections_changed"),
     "indexer_distance": ("block", "distance_bin", "count"),
@@ -95,8 +96,11 @@ def _expert_pairs(s, moe: list[int], e: int) -> pd.DataFrame:
 
 def _expert_tokens(s, moe: list[int], args: ModelArgs, names: TokenStrings, min_count: int) -> pd.DataFrame:
     """PMI(expert, token) = log2 P(expert | token) / P(expert): how much more often the token's
-    occurrences choose the expert than tokens do on average. The TOP_TOKENS highest per expert
-    among pairs counted at least ``min_count`` times; ties to the more frequent, then lower id."""
+    occurrences choose the expert than tokens do on average. A token that always chooses the expert
+    has log2 1/P(expert) whatever its count, so PMI ties rare and common tokens; the ranking is by
+    ``specificity``, the PMI of counts with PRIOR occurrences added at the expert's average rate:
+    log2 ((count + PRIOR P(e)) / ((n_token + PRIOR) P(e))), which grows with the evidence. The
+    TOP_TOKENS highest per expert among pairs counted at least ``min_count`` times."""
     e, v = args.n_routed_experts, args.vocab_size
     keys, counts = s["expert_token_keys"], s["expert_token_counts"]
     if not len(keys):
@@ -105,10 +109,15 @@ def _expert_tokens(s, moe: list[int], args: ModelArgs, names: TokenStrings, min_
     m, expert = slot // e, slot % e
     tokens = max(int(s["tokens"][0]), 1)
     load = s["expert_count"][m, expert].astype(np.float64)
-    pmi = np.log2(counts.astype(np.float64) * tokens / (load * s["token_count"][token]))
-    frame = pd.DataFrame({"block": np.asarray(moe)[m], "expert": expert, "token_id": token, "count": counts, "pmi": pmi})
+    occurrences = s["token_count"][token].astype(np.float64)
+    pmi = np.log2(counts.astype(np.float64) * tokens / (load * occurrences))
+    rate = load / tokens  # P(expert): the share of tokens that choose it
+    specificity = np.log2((counts + PRIOR * rate) / ((occurrences + PRIOR) * rate))
+    frame = pd.DataFrame({"block": np.asarray(moe)[m], "expert": expert, "token_id": token, "count": counts})
+    frame["pmi"], frame["specificity"] = pmi, specificity
     frame = frame[frame["count"] >= min_count]
-    frame = frame.sort_values(["block", "expert", "pmi", "count", "token_id"], ascending=[True, True, False, False, True])
+    order = ["block", "expert", "specificity", "count", "token_id"]
+    frame = frame.sort_values(order, ascending=[True, True, False, False, True])
     frame = frame.groupby(["block", "expert"], sort=False).head(TOP_TOKENS).reset_index(drop=True)
     frame.insert(3, "token", _strings(names, frame["token_id"].to_numpy()))
     return frame[list(COLUMNS["expert_tokens"])]

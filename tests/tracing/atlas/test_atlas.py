@@ -24,12 +24,13 @@ REPO = Path(__file__).resolve().parents[3]
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
+from model import TINY  # noqa: E402
 from model.moe import RouterRule, select_experts  # noqa: E402
 from tracing.analyses.recall import head_recall  # noqa: E402
 from tracing.atlas import AtlasError, build_atlas, read_atlas  # noqa: E402
 from tracing.atlas.corpus import Corpus, Source  # noqa: E402
 from tracing.atlas.counts import RECALL_BINS, far_pairs, sink_bins  # noqa: E402
-from tracing.atlas.tables import COLUMNS  # noqa: E402
+from tracing.atlas.tables import COLUMNS, PRIOR, _expert_tokens  # noqa: E402
 from tracing.cli.commands import main  # noqa: E402
 from tracing.cli.loading import DEMO, open_checkpoint  # noqa: E402
 from tracing.runner import trace_tokens  # noqa: E402
@@ -159,9 +160,12 @@ def test_every_table_agrees_with_the_traced_sequences(atlas_dir, demo):
         pair_counts = pair_counts.value_counts()
         for expert, rows in specific.groupby("expert"):
             mine = {tok: c for (ex, tok), c in pair_counts.items() if ex == expert and c >= MIN_COUNT}
-            pmi = {tok: np.log2(c * tokens / (load["count"].iloc[expert] * occurrences[tok])) for tok, c in mine.items()}
-            best = sorted(pmi.values(), reverse=True)[:20]
-            np.testing.assert_allclose(rows["pmi"], best)  # the most specific, by PMI, best first
+            rate = load["count"].iloc[expert] / tokens
+            pmi = {tok: np.log2(c / (rate * occurrences[tok])) for tok, c in mine.items()}
+            spec = {tok: np.log2((c + PRIOR * rate) / ((occurrences[tok] + PRIOR) * rate)) for tok, c in mine.items()}
+            best = sorted(spec.values(), reverse=True)[:20]
+            np.testing.assert_allclose(rows["specificity"], best)  # the most specific, best first
+            np.testing.assert_allclose(rows["pmi"], [pmi[tok] for tok in rows["token_id"]])
             assert rows["count"].tolist() == [mine[tok] for tok in rows["token_id"]]
             assert rows["token"].tolist() == demo.tokenizer.token_strings(rows["token_id"].tolist())
     for block in range(args.n_layers):
@@ -385,3 +389,24 @@ def test_read_atlas_names_what_is_wrong(atlas_dir, tmp_path):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_specificity_orders_tokens_of_equal_exclusivity_by_their_count():
+    """Three tokens that always choose expert 0 (PMI ties at log2 1/P(e)) and one that chooses it half
+    the time: the specificity ranks the exclusive ones by their count, the most seen first."""
+    args = TINY.replace(vocab_size=8)  # the table reads the vocabulary and the experts' count only
+    counts = {1: 40, 2: 10, 3: 5, 4: 20}  # token -> times it chose expert 0
+    occurrences = np.zeros(8, dtype=np.int64)
+    occurrences[[1, 2, 3, 4]] = [40, 10, 5, 40]
+    s = {
+        "expert_token_keys": np.array(list(counts)),  # block slot 0, expert 0: key = token
+        "expert_token_counts": np.array(list(counts.values())),
+        "tokens": np.array([400]),
+        "expert_count": np.array([[75] + [100] * (TINY.n_routed_experts - 1)]),
+        "token_count": occurrences,
+    }
+    frame = _expert_tokens(s, [1], args, lambda ids: [f"t{i}" for i in ids], min_count=1)
+    assert frame["token_id"].tolist() == [1, 2, 3, 4]
+    exclusive = frame[frame["token_id"] != 4]
+    assert exclusive["pmi"].nunique() == 1 and exclusive["specificity"].is_monotonic_decreasing
+    assert (frame["specificity"] < frame["pmi"]).all()  # the prior pulls every score toward 0
