@@ -27,7 +27,7 @@ load_torch()  # before anything imports torch: its idle OpenMP threads sleep (tr
 
 # isort: split
 from app import sidebar, widgets  # noqa: E402
-from app.core import session  # noqa: E402
+from app.core import links, session  # noqa: E402
 from app.pages import PAGES  # noqa: E402
 
 ABOUT = (
@@ -44,10 +44,14 @@ def main() -> None:
         menu_items={"About": ABOUT},
     )
     session.init()
+    dropped = links.restore(st.session_state, st.query_params)  # a reload or a shared link: the same view
     page = st.navigation([st.Page(p.file, title=p.title, icon=p.icon, default=i == 0) for i, p in enumerate(PAGES)])
     notices = st.container()
+    if dropped:
+        notices.warning(f"The link's {', '.join(dropped)} could not be read and were left out.", icon=":material/link_off:")
     widgets.guarded(lambda: sidebar.render(notices), "The sidebar")
     widgets.guarded(page.run, f"The page {page.title}")
+    links.store(st.session_state, st.query_params, session.defaults())
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("gen_seed", "the sampling seed; None: a new draw each time", None, kept=True),
     Key("block", "the block the pages show", 0, kept=True),
     Key("trace_key", "the TraceKey of the trace this session shows", None),
+    Key("links_loaded", "the session read its URL's view (app.core.links), on its first run"),
     Key("upload_names", "the names this session gave the trace files it opened, by content digest", {}),
     # pages
     Key("map_block", "Model map: the block whose parameters are listed"),
@@ -166,6 +167,12 @@ def init() -> None:
             st.session_state[key.name] = key.default
         if key.kept and key.name in st.session_state:
             st.session_state[key.name] = st.session_state[key.name]
+
+
+def defaults() -> dict[str, Any]:
+    """What a new session holds: the values a link leaves out (app.core.links)."""
+    out = {key.name: key.default for key in SCHEMA if not key.family and key.default is not _UNSET}
+    return {**out, "source": settings.default_source()}
 
 
 def session_model() -> AppModel | None:

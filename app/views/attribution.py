@@ -73,10 +73,11 @@ def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:
     """Position (default: the last), target (default: the top prediction there) and an optional contrast."""
     trace = base.trace
     n = trace.n_tokens
-    if st.session_state.get(PICKED_FOR) != plain or st.session_state.get("attr_position") not in range(n):
-        st.session_state[PICKED_FOR] = plain
+    # a new trace resets the pickers; a session's first (a link's position and target) keeps them where they fit
+    if st.session_state.get(PICKED_FOR) not in (None, plain) or st.session_state.get("attr_position") not in range(n):
         st.session_state["attr_position"] = n - 1
         st.session_state["attr_target"] = st.session_state["attr_contrast"] = None  # the top prediction, no contrast
+    st.session_state[PICKED_FOR] = plain
     names = labels(base)
     left, middle, right = st.columns(3)
     position = left.selectbox("Position", range(n), key="attr_position", format_func=lambda t: names[t])

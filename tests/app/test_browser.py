@@ -331,3 +331,25 @@ def test_a_file_name_creates_no_element(server, tmp_path_factory):
             assert where.locator(MARKUP).count() == 0, where.inner_html()
         assert badge.locator("span").count() == 1  # its icon, nothing else
         assert not [url for url in fetched if "127.0.0.1:9/" in url or "example.com" in url]
+
+
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
+def test_a_link_and_a_reload_reopen_the_same_view(server):
+    """The URL holds the view: a shared link opens its prompt on its page, a reload keeps it, and a
+    prompt traced here lands in the URL."""
+    from urllib.parse import parse_qs, quote, urlparse
+
+    shared = "Anne had not seen Captain"
+    with open_page(server) as page:
+        page.goto(f"{server}/residual?prompt={quote(shared)}&block=1")
+        page.get_by_text(f"“{shared}”").wait_for()  # the page header names the traced prompt
+        sync_api.expect(page.locator('[data-testid="stSidebar"] textarea')).to_have_value(shared)
+        assert urlparse(page.url).path.endswith("/residual")
+        page.reload()
+        page.get_by_text(f"“{shared}”").wait_for()
+        assert parse_qs(urlparse(page.url).query)["prompt"] == [shared]
+        prompt = page.locator('[data-testid="stSidebar"] [data-testid="stTextArea"] textarea')
+        prompt.fill(PROMPT)
+        page.get_by_role("button", name="Trace", exact=True).click()
+        page.get_by_text(f"“{PROMPT}”").wait_for()
+        page.wait_for_function("(p) => new URLSearchParams(location.search).get('prompt') === p", arg=PROMPT)
