@@ -17,7 +17,7 @@ import torch
 from model.config import ModelArgs
 from model.hooks import HookPoint
 
-from .analyses.recall import head_recall
+from .analyses.recall import head_recall, indexer_kl, key_overlap
 from .errors import InputError
 
 
@@ -39,10 +39,12 @@ class SiteSpec:
     # for one position and target) or "flow" (tracing.analyses.flow, the contribution graph): the
     # analyses are computed by their module's hooks and named (or --attribute, 'flow'), never by 'all'
     computed: str = ""
-    # "derive": f(value, read) -> the recorded value (batch dropped); value is derived_from's (batch
-    # first), read(suffix) a value of the same block and pass that the row's ``reads`` keep
-    derive: Callable[[torch.Tensor, Callable[[str], torch.Tensor]], torch.Tensor] | None = None
+    # "derive": f(value, read) -> the recorded value (batch dropped), or None where the site has none;
+    # value is derived_from's (batch first), read(suffix) a value of the same block and pass that the
+    # row's ``reads`` keep, read(suffix, back=1) the block before's (``reads_prev``; None in block 0)
+    derive: Callable[[torch.Tensor, Callable[..., torch.Tensor | None]], torch.Tensor | None] | None = None
     reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
+    reads_prev: tuple[str, ...] = ()  # sites of the block before that its derivation reads (read(suffix, back=1))
     rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
     patchable: bool = True  # a hook point whose value a patch or an intervention may replace
     # an integer site's values: "keys" (key positions, -1 for none), "experts", "groups", "tokens",
@@ -85,6 +87,35 @@ def _probs_mean(probs: torch.Tensor, read) -> torch.Tensor:
 def _recall(scores: torch.Tensor, read) -> torch.Tensor:
     """The dense attention mass on the indexer's selection, mean over heads."""
     return head_recall(scores, read("attn.indexer.topk_indices"))[0].mean(-1).cpu()  # (T,)
+
+
+def _kl(scores: torch.Tensor, read) -> torch.Tensor:
+    """KL(dense attention, mean over heads || the indexer's softmax), per query."""
+    return indexer_kl(scores, read("attn.indexer.scores"))[0].cpu()  # (T,)
+
+
+def _overlap_prev(keys: torch.Tensor, read) -> torch.Tensor | None:
+    """The Jaccard overlap of each query's selected keys with the block before's (none in block 0)."""
+    before = read("attn.indexer.topk_indices", back=1)
+    if before is None:
+        return None
+    n_keys = int(max(keys.max(), before.max())) + 1
+    return key_overlap(keys, before, n_keys)[0].cpu()  # (T,)
+
+
+def _margin(chosen: torch.Tensor, read) -> torch.Tensor:
+    """The biased score of the k-th chosen expert minus the best expert not chosen inside the chosen
+    groups (anywhere, when the chosen groups hold no other): how near the routing came to a change."""
+    biased, groups = read("ffn.gate.biased_scores").float(), read("ffn.gate.groups")  # (N, E), (N, topk_groups)
+    n_groups = read("ffn.gate.group_scores").shape[-1]
+    per_group = biased.shape[-1] // n_groups
+    kth = biased.gather(-1, chosen).amin(-1)  # (N,)
+    free = torch.ones_like(biased, dtype=torch.bool).scatter_(-1, chosen, False)  # not chosen
+    in_groups = torch.zeros(biased.shape[0], n_groups, dtype=torch.bool, device=biased.device).scatter_(-1, groups, True)
+    inside = free & in_groups.repeat_interleave(per_group, dim=-1)
+    candidates = torch.where(inside.any(-1, keepdim=True), inside, free)
+    best = biased.masked_fill(~candidates, float("-inf")).amax(-1)  # (N,)
+    return (kth - best).cpu()
 
 
 F32, I64 = torch.float32, torch.int64
@@ -130,6 +161,31 @@ REGISTRY: tuple[SiteSpec, ...] = (
         computed="derive",
         derive=_recall,
         reads=("attn.indexer.topk_indices",),
+        patchable=False,
+    ),
+    SiteSpec(
+        "layers.{i}.attn.indexer.kl",
+        "T",
+        F32,
+        "KL(p || q) in nats: p the dense attention distribution (mean over heads, causal), q the softmax of the "
+        "index scores: the indexer's training objective",
+        derived_from="attn.scores",
+        default=True,
+        computed="derive",
+        derive=_kl,
+        reads=("attn.indexer.scores",),
+        patchable=False,
+    ),
+    SiteSpec(
+        "layers.{i}.attn.indexer.overlap_prev",
+        "T",
+        F32,
+        "Jaccard overlap of the query's selected keys with the block before's (not in block 0)",
+        derived_from="attn.indexer.topk_indices",
+        default=True,
+        computed="derive",
+        derive=_overlap_prev,
+        reads_prev=("attn.indexer.topk_indices",),
         patchable=False,
     ),
     SiteSpec(
@@ -206,6 +262,20 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "their gating weights (normalised, times route_scale)",
         blocks="moe",
         default=True,
+    ),
+    SiteSpec(
+        "layers.{i}.ffn.gate.margin",
+        "N",
+        F32,
+        "the biased score of the k-th chosen expert minus the best unchosen one's inside the chosen groups: "
+        "near 0, a near-tie",
+        blocks="moe",
+        derived_from="ffn.gate.topk_indices",
+        default=True,
+        computed="derive",
+        derive=_margin,
+        reads=("ffn.gate.biased_scores", "ffn.gate.group_scores", "ffn.gate.groups"),
+        patchable=False,
     ),
     SiteSpec(
         "layers.{i}.ffn.expert_out",
@@ -621,6 +691,8 @@ def estimate_bytes(args: ModelArgs, names: list[str], n_tokens: int) -> int:
     total = 0
     for name in names:
         legend, dtype = shapes[name]
+        if (where := layer_site(name)) and where[0] == 0 and spec(name).reads_prev:
+            continue  # nothing in block 0 reads a block before it
         n = 1
         for size in site_shape(args, name, legend, n_tokens):
             n *= size

@@ -177,6 +177,7 @@ class Tracer:
                 continue
             layer = where[0]
             keep.update(site_name(layer, read) for read in row.reads)  # read later in this pass
+            keep.update(site_name(layer - 1, read) for read in row.reads_prev if layer > 0)  # ... by the next block
             if name in replacers:
                 continue
             if row.computed == "lens":
@@ -289,14 +290,19 @@ class Tracer:
             if record:
                 self.values[name] = _to_cpu(whole, module.shape)
             for target in derived:
-                self.values[target] = self._derive(target, whole)
+                if (got := self._derive(target, whole)) is not None:  # None: the site has no value here
+                    self.values[target] = got
             return None if value is output else value
 
         return hook
 
-    def _derive(self, target: str, value: torch.Tensor) -> torch.Tensor:
+    def _derive(self, target: str, value: torch.Tensor) -> torch.Tensor | None:
         layer = layer_site(target)[0]
-        return spec(target).derive(value, lambda suffix: self._seen[site_name(layer, suffix)])
+
+        def read(suffix: str, back: int = 0) -> torch.Tensor | None:  # back=1: the block before's (None before block 0)
+            return self._seen[site_name(layer - back, suffix)] if layer - back >= 0 else None
+
+        return spec(target).derive(value, read)
 
 
 def _to_cpu(value: torch.Tensor, legend: str) -> torch.Tensor:

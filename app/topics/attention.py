@@ -235,3 +235,15 @@ def query_profile_figure(df: pd.DataFrame, query: int, token: str, block: int) -
         yaxis={"title": {"text": "attention probability"}, "rangemode": "tozero"},
         yaxis2={"title": {"text": "index score"}, "overlaying": "y", "side": "right", "showgrid": False},
     )
+
+
+def indexer_quality(table: pd.DataFrame, index_topk: int) -> pd.DataFrame | None:
+    """Per block, over the queries that see more keys than the indexer keeps (where it drops any):
+    mean recall, mean KL of its distribution from the dense one, mean overlap with the block before."""
+    if table.empty:
+        return None
+    pruned = table[table["query"] >= index_topk]
+    if pruned.empty:
+        return None
+    columns = [c for c in ("recall", "kl", "overlap_prev") if c in pruned]
+    return pruned.groupby("layer")[columns].mean().reset_index().rename(columns={"layer": "block"})

@@ -246,3 +246,28 @@ def bias_figure(effect: BiasEffect, per_group: int) -> go.Figure:
         yaxis2={"domain": [0.65, 1], "title": {"text": "bias b"}, "anchor": "x"},
         xaxis={"title": {"text": "routed expert (dotted lines: groups)"}},
     )
+
+
+# --- margins ---------------------------------------------------------------------------------------------------
+def margins(table: pd.DataFrame, block: int) -> pd.DataFrame | None:
+    """The block's routing margin per position (tracing.tables.frames.margins_table), or None."""
+    if table.empty or block not in set(table["layer"]):
+        return None
+    return table[table["layer"] == block].reset_index(drop=True)
+
+
+def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: float) -> go.Figure:
+    """Bars of each position's margin, near-ties (below ``near``) in the marker colour: where a small
+    change of the scores (a rounding, the bias) would change the chosen set."""
+    colors = [COLORS["marker"] if tie else COLORS["moe"] for tie in frame["near_tie"]]
+    trace = {
+        "type": "bar",
+        "x": labels,
+        "y": frame["margin"],
+        "marker": {"color": colors},
+        "hovertemplate": "%{x}<br>margin %{y:.5f}<extra></extra>",
+        "name": "margin",
+    }
+    ties = int(frame["near_tie"].sum())
+    title = f"Block {block}: routing margin per position ({ties} near-tie{'s' if ties != 1 else ''} below {near:g}, in red)"
+    return figure([trace], title, xaxis=positions(labels, "position"), yaxis={"title": {"text": "k-th chosen - best unchosen"}})

@@ -74,6 +74,15 @@ def _recall(view: View) -> None:
         widgets.missing("No recall", ["layers.{i}.attn.indexer.recall"])
     else:
         widgets.memo_chart(view, "recall", lambda: attention.recall_figure(got[0], got[1], tokens.labels(view)))
+    quality = attention.indexer_quality(view.table("indexer_recall"), view.config.index_topk)
+    if quality is not None:
+        st.caption(
+            f"Per block, over the queries that see more than {view.config.index_topk} keys: recall; `kl`, the KL "
+            "divergence (nats) of the indexer's distribution (softmax of its scores) from the dense attention's, mean "
+            "over heads (its training objective: 0 = the same); `overlap_prev`, the Jaccard overlap of the kept keys "
+            "with the block before's."
+        )
+        st.dataframe(quality, hide_index=True, width="stretch")
 
 
 def _one_query(view: View) -> None:

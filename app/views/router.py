@@ -8,6 +8,7 @@ import streamlit as st
 from app import card_view, widgets
 from app.core.session import View
 from app.topics import card_plots, experts, router, tokens
+from tracing.tables.frames import NEAR_TIE
 
 
 def page() -> None:
@@ -37,9 +38,24 @@ def page() -> None:
             "Correction bias": lambda: _bias(view, block),
             "Routed and shared": lambda: _routed_shared(view, block),
             "Load across blocks": lambda: _load(view),
+            "Margins": lambda: _margins(view, block),
         },
         "router_tab",
     )
+
+
+def _margins(view: View, block: int) -> None:
+    st.caption(
+        "The biased score of the k-th chosen expert minus the best expert not chosen inside the chosen groups "
+        "(`ffn.gate.margin`): how near the router came to another choice. Near-ties, below "
+        f"{NEAR_TIE:g}, are where a rounding of the scores or the correction bias decides."
+    )
+    frame = router.margins(view.table("margins"), block)
+    if frame is None:
+        widgets.missing("No margins", ["layers.{i}.ffn.gate.margin"], block)
+        return
+    build = lambda: router.margins_figure(frame, tokens.labels(view), block, NEAR_TIE)  # noqa: E731
+    widgets.memo_chart(view, "router_margins", build, block)
 
 
 def _scores(view: View, r: router.Routing) -> None:

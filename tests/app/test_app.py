@@ -125,6 +125,7 @@ TABS = {
             "Correction bias": "correction bias",
             "Routed and shared": "routed vs shared",
             "Load across blocks": "Expert load",
+            "Margins": "routing margin per position",
         },
     ),
 }
@@ -412,3 +413,18 @@ def test_an_uploaded_trace_of_the_real_width_renders(app):
     app.selectbox(key="block").set_value(3).run()
     open_tab(app, "router_tab", "Correction bias")
     assert not app.exception and "matches the trace" in " ".join(str(m.value) for m in app.get("metric"))
+
+
+def test_the_indexer_quality_table_on_a_prompt_the_indexer_prunes(app):
+    long = " ".join(["It is a truth universally acknowledged, that a single man in possession of a good fortune."] * 5)
+    app.text_area(key="prompt").set_value(long).run()
+    app.button(key="run").click().run()
+    app.switch_page("views/attention.py").run()
+    open_tab(app, "attention_tab", "Indexer recall")
+    assert not app.exception and not app.error, messages(app.error)
+    quality = next(d.value for d in app.dataframe if "kl" in d.value.columns)
+    assert (
+        list(quality.columns) == ["block", "recall", "kl", "overlap_prev"]
+        and len(quality) == shown_entry(app).trace.config.n_layers
+    )
+    assert (quality["kl"] > 0).all() and quality["overlap_prev"].iloc[1:].between(0, 1).all()

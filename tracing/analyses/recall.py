@@ -32,3 +32,37 @@ def head_recall(scores: torch.Tensor, selected: torch.Tensor, distinct: bool = F
         valid[..., 1:] &= keys[..., 1:] != keys[..., :-1]
     picked = dense.gather(-1, keys.clamp(min=0)[:, :, None, :].expand(-1, -1, heads, -1))  # (B, T, H, K)
     return (picked * valid[:, :, None, :]).sum(dim=-1)  # (B, T, H)
+
+
+def _causal(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B, T, ..., S) with -inf at the keys after each query (the last T of S positions)."""
+    seqlen, n_keys = scores.shape[1], scores.shape[-1]
+    if seqlen == 1:  # a decode step's one query sees every key
+        return scores
+    causal = torch.ones(seqlen, n_keys, dtype=torch.bool, device=scores.device).tril(n_keys - seqlen)  # (T, S)
+    shape = (1, seqlen, *([1] * (scores.dim() - 3)), n_keys)
+    return scores.masked_fill(~causal.view(shape), float("-inf"))
+
+
+def indexer_kl(scores: torch.Tensor, index_scores: torch.Tensor) -> torch.Tensor:
+    """Per query, KL(p || q) in nats: p the dense attention distribution (softmax of the scaled logits
+    under the causal mask, mean over heads), q the indexer's (softmax of its scores over the keys it
+    may see): what the indexer was trained to make small. ``scores`` (B, T, H, S), ``index_scores``
+    (B, T, S) with -inf where masked; returns (B, T) float32."""
+    p = _causal(scores).softmax(dim=-1, dtype=torch.float32).mean(dim=2)  # (B, T, S)
+    log_q = index_scores.float().log_softmax(dim=-1)  # (B, T, S)
+    terms = torch.where(p > 0, p * (p.clamp_min(1e-38).log() - log_q), torch.zeros_like(p))
+    return terms.sum(dim=-1)
+
+
+def key_overlap(a: torch.Tensor, b: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Per query, the Jaccard overlap |A & B| / |A | B| of two selections (B, T, K) of key positions
+    (-1 for none; a key listed twice counts once); 1 where both are empty. Returns (B, T) float32."""
+
+    def chosen(x: torch.Tensor) -> torch.Tensor:  # (B, T, S + 1): the keys held, a slot for -1 dropped
+        out = torch.zeros(*x.shape[:2], n_keys + 1, dtype=torch.bool, device=x.device)
+        return out.scatter_(-1, (x + 1).clamp(min=0), True)[..., 1:]
+
+    sa, sb = chosen(a), chosen(b)
+    both, either = (sa & sb).sum(-1).float(), (sa | sb).sum(-1).float()
+    return torch.where(either > 0, both / either.clamp_min(1), torch.ones_like(both))

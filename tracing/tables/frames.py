@@ -214,13 +214,37 @@ def indexer_table(trace: Trace) -> pd.DataFrame:
 
 
 def recall_table(trace: Trace) -> pd.DataFrame:
-    """Per block and query: the share of the dense attention mass the selected keys cover."""
+    """Per block and query: the share of the dense attention mass the selected keys cover, and where
+    recorded the KL divergence of the indexer's distribution from the dense one (``kl``, nats) and
+    the overlap of the selected keys with the block before's (``overlap_prev``; NaN in block 0)."""
+    pos, tok = _positions(trace)
+    frames = []
+    for i in trace.layers_with("attn.indexer.recall"):
+        frame = pd.DataFrame({"layer": i, "query": pos, "token": tok, "recall": trace.site(i, "attn.indexer.recall").numpy()})
+        for column, suffix in (("kl", "attn.indexer.kl"), ("overlap_prev", "attn.indexer.overlap_prev")):
+            if trace.layers_with(suffix):
+                value = trace.site(i, suffix)
+                frame[column] = value.numpy() if value is not None else np.nan
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+NEAR_TIE = 1e-3  # a routing margin below this is a near-tie: a rounding could change the choice
+
+
+def margins_table(trace: Trace) -> pd.DataFrame:
+    """Per MoE block and position: the routing margin (the k-th chosen expert's biased score minus the
+    best unchosen one's inside the chosen groups) and whether it is a near-tie (below NEAR_TIE)."""
     pos, tok = _positions(trace)
     frames = [
-        pd.DataFrame({"layer": i, "query": pos, "token": tok, "recall": trace.site(i, "attn.indexer.recall").numpy()})
-        for i in trace.layers_with("attn.indexer.recall")
+        pd.DataFrame({"layer": i, "position": pos, "token": tok, "margin": trace.site(i, "ffn.gate.margin").numpy()})
+        for i in trace.layers_with("ffn.gate.margin")
     ]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if not frames:
+        return pd.DataFrame()
+    frame = pd.concat(frames, ignore_index=True)
+    frame["near_tie"] = frame["margin"] < NEAR_TIE
+    return frame
 
 
 def _names(trace: Trace, ids) -> list[str]:
@@ -378,6 +402,7 @@ BUILDERS = {
     "groups": groups_table,
     "indexer": indexer_table,
     "indexer_recall": recall_table,
+    "margins": margins_table,
     "logit_lens": logit_lens_table,
     "next_token": next_token_table,
     "steps": steps_table,

@@ -92,6 +92,7 @@ def test_the_flags_take_positions_and_refuse_malformed_ones(tiny_checkpoint, tmp
     trace = Trace.load(tmp_path / "a.safetensors")
     assert trace.extra["interventions"] == [f"ablate heads 0:1 at positions {AT}:"]
     assert trace["layers.0.attn.probs"][AT:, 1].abs().sum() == 0 and trace["layers.0.attn.probs"][:AT, 1].sum() > 0
+    capsys.readouterr()  # the run's own line
     for bad in ("0:1@", "0:1@x", "0:²@3", "0:1@4:2"):
         assert main([*common, "--out", str(tmp_path / "b.safetensors"), "--ablate-heads", bad]) == 2
         err = capsys.readouterr().err.strip()
