@@ -178,7 +178,9 @@ def sparse_mask_figure(grid: np.ndarray, labels: list[str], title: str) -> go.Fi
 def recall_figure(layers: list[int], z: np.ndarray, labels: list[str]) -> go.Figure:
     rows = [f"block {i}" for i in layers]
     scale = {"title": {"text": "recall"}, "x": 1.0, "xanchor": "left"}
-    heat = heatmap(z, rows, "%{y} · query %{x}<br>recall %{z:.4f}", x=labels, zmin=0, zmax=1, colorbar=scale)
+    low = float(np.nanmin(z)) if np.isfinite(z).any() else 0.0
+    low = min(np.floor(low * 100) / 100, 0.99)  # a scale fitted to the shares (often 0.9-1), not 0-1
+    heat = heatmap(z, rows, "%{y} · query %{x}<br>recall %{z:.4f}", x=labels, zmin=low, zmax=1, colorbar=scale)
     means = {
         "type": "bar",
         "x": np.nanmean(z, 1),
@@ -192,11 +194,11 @@ def recall_figure(layers: list[int], z: np.ndarray, labels: list[str]) -> go.Fig
     return rows_figure(
         [heat, means],
         rows,
-        "Indexer recall of the dense attention mass per query and block (right: mean over queries)",
+        f"Indexer recall of the dense attention mass per query and block (colours {low:g} to 1; right: mean over queries)",
         positions(labels, "query position", domain=[0, 0.8]),
         per=40,
         showlegend=False,
-        xaxis2={"domain": [0.84, 1], "range": [0, 1], "title": {"text": "mean"}},
+        xaxis2={"domain": [0.84, 1], "range": [low, 1], "title": {"text": "mean"}},
     )
 
 

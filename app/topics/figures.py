@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
@@ -163,3 +164,30 @@ def position_figure(df: pd.DataFrame, series: list[tuple], title: str, yaxis: di
             trace.update(type="scatter", mode="lines+markers", line={"color": color})
         traces.append(trace)
     return figure(traces, title, xaxis=positions(names, "position"), yaxis=yaxis, **layout)
+
+
+def robust_top(z, factor: float = 4.0) -> tuple[float | None, np.ndarray]:
+    """A (rows x positions) heat map's top, and its outliers: when some positions' values exceed
+    ``factor`` times the median position's largest (one dominating token, as the first position's
+    stream), the scale stops at the largest of the other positions so the bulk stays readable, and
+    the cells above it are returned (bool, z's shape) to be marked and named; otherwise (None, none)."""
+    z = np.asarray(z, dtype=np.float64)
+    finite = np.where(np.isfinite(z), z, np.nan)
+    if z.ndim != 2 or not np.isfinite(finite).any():
+        return None, np.zeros(z.shape, dtype=bool)
+    peaks = np.nanmax(np.where(np.isfinite(finite), finite, -np.inf), axis=0)  # each position's largest
+    typical = float(np.median(peaks[np.isfinite(peaks)]))
+    loud = peaks > factor * typical if typical > 0 else np.zeros_like(peaks, dtype=bool)
+    if not loud.any() or loud.all():
+        return None, np.zeros(z.shape, dtype=bool)
+    top = float(peaks[~loud].max())
+    return top, np.isfinite(finite) & (finite > top)
+
+
+def outlier_note(z, outliers: np.ndarray, labels: list[str], what: str) -> str:
+    """``; position 0 ␣The above the scale (|x| up to 702.3, marked ▲)``: the title's word on outliers."""
+    if not outliers.any():
+        return ""
+    columns = sorted(set(np.nonzero(outliers)[1].tolist()))
+    named = ", ".join(labels[c] for c in columns[:3]) + (f" and {len(columns) - 3} more" if len(columns) > 3 else "")
+    return f"; {named} above the scale ({what} up to {float(np.nanmax(np.asarray(z)[outliers])):.4g}, marked ▲)"

@@ -12,7 +12,19 @@ import plotly.graph_objects as go
 from tracing.trace import Trace
 
 from .arrays import site
-from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, position_figure, positions, reversed_axis, rows_figure
+from .figures import (
+    COLORS,
+    DIVERGING,
+    figure,
+    heat_height,
+    heatmap,
+    outlier_note,
+    position_figure,
+    positions,
+    reversed_axis,
+    robust_top,
+    rows_figure,
+)
 from .tokens import token_texts
 
 
@@ -140,8 +152,13 @@ def norm_rms_figure(df: pd.DataFrame, block: int) -> go.Figure:
 
 
 def residual_norms_figure(g: ResidualGrids, labels: list[str]) -> go.Figure:
+    """The stream's norm; a scale that stops below a dominating token (the first position's stream is
+    often hundreds of times the rest), its cells marked and named in the title."""
+    top, outliers = robust_top(g.norm)
     heat = heatmap(g.norm, g.rows, "%{y}<br>position %{x}<br>|x| = %{z:.3f}", x=labels, scale="|x|")
-    title = "Residual stream norm |x| per layer and position"
+    if top is not None:
+        heat.update(zmin=float(np.nanmin(g.norm)), zmax=top, text=np.where(outliers, "▲", ""), texttemplate="%{text}")
+    title = "Residual stream norm |x| per layer and position" + outlier_note(g.norm, outliers, labels, "|x|")
     return rows_figure([heat], g.rows, title, positions(labels, "position"), lo=380, per=34)
 
 
