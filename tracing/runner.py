@@ -30,10 +30,9 @@ from model.transformer import Transformer
 from .analyses.attribution import AttributionRequest
 from .analyses.interventions import HookFunctions, Intervention, PassContext, PatchAt, from_spec, parse_positions
 from .chat import encode_chat
-from .cli.inputs import SEEDS
 from .errors import InputError
 from .nonfinite import first_nonfinite, intervention_masks
-from .sampling import Sampling, choose
+from .sampling import SEEDS, Sampling, choose
 from .tokenizer import Tokenizer
 from .trace import Trace
 from .tracer import Tracer

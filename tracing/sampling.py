@@ -10,6 +10,8 @@ import torch
 from .errors import InputError
 from .sites import next_topk
 
+SEEDS = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+
 
 @dataclass(frozen=True)
 class Sampling:

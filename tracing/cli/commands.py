@@ -20,12 +20,13 @@ from model.params import count_params
 
 from ..errors import InputError
 from ..runner import TraceRequest
+from ..sampling import SEEDS
 from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
 from . import patching as patching_cli
 from . import serve
-from .inputs import SEEDS, Parser, finite, integer, is_int, named_path, regular_file
+from .inputs import Parser, finite, integer, is_int, named_path, regular_file
 from .loading import (
     add_device_options,
     add_source_options,

@@ -21,7 +21,6 @@ from ..errors import InputError
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; 19 digits hold every int64
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 INT64 = (-(2**63), 2**63 - 1)
-SEEDS = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 def parse_int(text: str, what: str, low: int = INT64[0], high: int = INT64[1]) -> int:
