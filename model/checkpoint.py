@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -30,6 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import ConfigError, ModelArgs
+from .files import CONFIG_BYTES, INDEX_BYTES, FileError, confined, read_json
 from .names import STORED_BF16, from_hf, layer_of, to_hf
 from .transformer import Transformer
 
@@ -53,6 +55,7 @@ _DTYPES = {
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -109,46 +112,100 @@ def numel_of(shape: tuple[int, ...]) -> int:
 
 class SafetensorsSource(WeightSource):
     """A Hugging Face checkpoint directory, read lazily through memory maps: shards listed in
-    model.safetensors.index.json, or one model.safetensors without an index."""
+    model.safetensors.index.json, or one model.safetensors without an index.
+
+    Every file it reads is confined to the directory (:func:`model.files.confined`), and the
+    config's size is checked against the tensors the shards hold before anything is built."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a checkpoint directory")
         try:
-            self.args = ModelArgs.from_file(self.directory / "config.json")
+            self.args = ModelArgs.from_file(self._path("config.json"))
         except ConfigError as exc:
             raise CheckpointError(str(exc)) from None
+        self.args = self.args.replace(eos_token_id=self._eos_ids())
         self._handles: dict[str, object] = {}  # before the index: a single-file checkpoint is opened to list its tensors
         self._specs: dict[str, TensorSpec] | None = None
         self.weight_map = self._read_index()
         if self.args.n_moe_layers:  # whether the routers carry a correction bias: the tensors say, not the config
             gate_bias = any(name.endswith(".mlp.gate.e_score_correction_bias") for name in self.weight_map)
             self.args = self.args.replace(gate_bias=gate_bias)
+        self._check_extent()
+
+    def _path(self, name: object) -> Path:
+        """A file the checkpoint names, refused unless it lies inside the checkpoint directory."""
+        try:
+            return confined(self.directory, name)
+        except FileError as exc:
+            raise CheckpointError(f"{self.directory}: {exc}") from None
+
+    def _json(self, name: str, what: str, max_bytes: int) -> Any:
+        path = self._path(name)
+        try:
+            return read_json(path, max_bytes)
+        except FileError as exc:
+            raise CheckpointError(f"{path}: not a valid {what} ({exc})") from None
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        """The config's end-of-sequence ids and generation_config.json's: generation stops at any of them."""
+        ids = self.args.eos_token_id
+        if (self.directory / "generation_config.json").exists():
+            data = self._json("generation_config.json", "generation config", CONFIG_BYTES)
+            extra = data.get("eos_token_id") if isinstance(data, dict) else None
+            try:
+                extra = self.args.replace(eos_token_id=extra).eos_token_id
+            except ConfigError as exc:
+                raise CheckpointError(f"{self.directory / 'generation_config.json'}: {exc}") from None
+            ids += tuple(i for i in extra if i not in ids)
+        return ids
 
     def _read_index(self) -> dict[str, str]:
-        index = self.directory / INDEX
+        index = self._path(INDEX)
         if not index.exists():
-            single = self.directory / "model.safetensors"
+            single = self._path("model.safetensors")
             if single.exists():
                 return dict.fromkeys(self._open(single.name).keys(), single.name)
             raise CheckpointError(f"{self.directory}: no {INDEX} (and no model.safetensors)")
-        try:
-            data = json.loads(index.read_text())
-            weight_map = data["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("weight_map is not a mapping of names to files")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a valid index ({exc})") from None
+        data = self._json(INDEX, "index", INDEX_BYTES)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: not a valid index (weight_map is not a mapping of names to files)")
         for shard in sorted(set(weight_map.values())):
-            if not (self.directory / shard).is_file():
+            if not self._path(shard).is_file():
                 raise CheckpointError(f"{self.directory / shard}: shard listed in {INDEX} is missing")
         return weight_map
+
+    def _check_extent(self) -> None:
+        """Refuse a config with more blocks, or more routed experts per block, than the checkpoint
+        holds tensors of, before a model of that size is built: even on the meta device every block
+        and expert is a module in memory, so the cost of building stays that of the index."""
+        held: dict[int, set[int]] = {}  # block -> routed experts with a tensor in it
+        for name in self.weight_map:
+            match = _EXPERT.match(name)
+            layer = int(match.group(1)) if match else layer_of(name)
+            if layer is not None and layer < self.args.n_layers:
+                experts = held.setdefault(layer, set())
+                if match:
+                    experts.add(int(match.group(2)))
+        config = self._path("config.json")
+        for layer in range(self.args.n_layers):
+            if layer not in held:
+                raise CheckpointError(
+                    f"{config}: describes {self.args.n_layers} blocks, the checkpoint holds no tensor of block {layer}"
+                )
+            n = len(held[layer])
+            if self.args.is_moe(layer) and n < self.args.n_routed_experts:
+                raise CheckpointError(
+                    f"{config}: describes {self.args.n_routed_experts} routed experts per block, block {layer} of the"
+                    f" checkpoint holds tensors of {n}"
+                )
 
     def _open(self, shard: str):
         handle = self._handles.get(shard)
         if handle is None:
-            path = self.directory / shard
+            path = self._path(shard)
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError, ValueError) as exc:
@@ -310,7 +367,7 @@ class TensorReader:
         with self._lock:
             known = self._shards.get(shard)
             if known is None:
-                path = self.source.directory / shard
+                path = self.source._path(shard)
                 fd = os.open(path, os.O_RDONLY)
                 (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
                 header = json.loads(os.pread(fd, size, 8))
@@ -411,9 +468,27 @@ def load_model(
         source = SafetensorsSource(source)
     model = build_model(source.args, dtype)
     needed = set(validate(model, source))
+    _check_memory(source, needed, device)
     _warn_unused(source, needed)
     materialize(model, source, device)
     return model.eval()
+
+
+def _check_memory(source: WeightSource, needed: set[str], device: torch.device | str) -> None:
+    """Refuse, before the first allocation, weights that cannot fit in ``device``'s free memory: a
+    config may describe any size (streaming, ``model.stream``, reads one block at a time)."""
+    from .stream import available_memory  # stream builds on this module
+
+    device = torch.device(device)
+    if device.type == "meta":
+        return
+    nbytes, free = source.nbytes(needed), available_memory(device)
+    if nbytes > free:
+        raise CheckpointError(f"the weights take {_gib(nbytes)} and {device} has {_gib(free)} free: stream them instead")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
 
 
 def _warn_unused(source: WeightSource, needed: set[str]) -> None:

@@ -8,11 +8,12 @@ reads like the official inference code; :meth:`ModelArgs.from_hf` maps a Hugging
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .files import FileError, read_json
 
 
 class ConfigError(ValueError):
@@ -67,13 +68,17 @@ class ModelArgs:
     scale_fmt: str | None = None  # "ue8m0": power-of-two activation scales
     n_mtp_layers: int = 0  # multi-token-prediction modules stored after the blocks (not run)
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()  # every id that ends a generation (Hugging Face gives one id or a list)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", self.eos_token_id))
         wrong = _wrong_types(self)
         if wrong:  # the range checks below would fail on them with a TypeError
             raise ConfigError("; ".join(wrong))
+        too_large = _too_large(self)
+        if too_large:  # before any product of sizes is formed
+            raise ConfigError("; ".join(too_large))
         problems = []
         if self.q_lora_rank <= 0:
             problems.append("q_lora_rank must be positive (the indexer reads the query latent)")
@@ -96,6 +101,10 @@ class ModelArgs:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
+        if self.bos_token_id is not None and self.bos_token_id < 0:
+            problems.append(f"bos_token_id must be 0 or more, not {self.bos_token_id}")
+        if any(i < 0 for i in self.eos_token_id):
+            problems.append(f"eos_token_id must be ids of 0 or more, not {list(self.eos_token_id)}")
         for name in ("n_dense_layers", "n_shared_experts", "n_mtp_layers"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be 0 or more, not {getattr(self, name)}")
@@ -142,6 +151,10 @@ class ModelArgs:
     @property
     def experts_per_group(self) -> int:
         return self.n_routed_experts // self.n_expert_groups
+
+    def is_eos(self, token_id: int) -> bool:
+        """Whether ``token_id`` ends a generation: any of the configured ids does."""
+        return token_id in self.eos_token_id
 
     def is_moe(self, layer_id: int) -> bool:
         return layer_id >= self.n_dense_layers
@@ -254,10 +267,10 @@ class ModelArgs:
         if path.is_dir():
             path = path / "config.json"
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except FileError as exc:
             raise ConfigError(f"{path}: not a readable JSON config ({exc})") from None
         try:
             return cls.from_json(data)
@@ -312,8 +325,8 @@ class ModelArgs:
         }
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            out["eos_token_id"] = self.eos_token_id
+        if self.eos_token_id:
+            out["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
         if self.use_yarn:
             out["rope_scaling"] = {
                 "type": "yarn",
@@ -344,7 +357,7 @@ def _build(cls: type[ModelArgs], args: dict[str, Any], extra: dict[str, Any]) ->
     ``__post_init__``."""
     types = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, value in args.items():
-        if types[key] == "int" and isinstance(value, float) and value.is_integer():
+        if types[key] in ("int", "int | None") and isinstance(value, float) and value.is_integer():
             args[key] = int(value)
     return cls(**args, extra=extra)
 
@@ -382,15 +395,66 @@ def _finite(value: float) -> bool:
         return False
 
 
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """One id, a list of ids or none (null), as Hugging Face writes eos_token_id, as a tuple."""
+    ids = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not all(_is_int(i) for i in ids):
+        raise ConfigError(f"{name} must be a token id or a list of token ids, not {_short(value)}")
+    return ids
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    """A value for a one-line message: a 500-digit number or a long list is cut."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"a {value.bit_length()}-bit integer"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# No model this program can hold comes near these bounds. Checked first, they keep every product of
+# sizes small (a tensor's element count stays far inside int64: three widths multiply to under
+# 2^63) and keep a crafted config from building millions of modules on the meta device: the
+# blocks and the routed experts of all blocks (the 671B model has 58 x 256 = 14,848) are Python
+# objects there too.
+MAX_WIDTH = 2**20  # any width, count or head size (the 671B model's largest: 129,280, its vocabulary)
+MAX_POSITION = 2**31 - 1  # sequence lengths and token ids
+MAX_LAYERS = 1024
+MAX_EXPERT_MODULES = 65536
+_POSITIONS = ("max_seq_len", "original_seq_len", "bos_token_id")
+
+
+def _too_large(args: ModelArgs) -> list[str]:
+    out = []
+    for f in dataclasses.fields(args):
+        value, bound = getattr(args, f.name), MAX_POSITION if f.name in _POSITIONS else MAX_WIDTH
+        if f.type in ("int", "int | None") and value is not None and value > bound:
+            out.append(f"{f.name} must be at most {bound}, not {_short(value)}")
+    out += [f"eos_token_id must be at most {MAX_POSITION}, not {_short(i)}" for i in args.eos_token_id if i > MAX_POSITION][:1]
+    if out:
+        return out
+    if args.n_layers + args.n_mtp_layers > MAX_LAYERS:
+        out.append(f"{args.n_layers} blocks and {args.n_mtp_layers} MTP modules: more than {MAX_LAYERS} blocks in all")
+    experts = max(args.n_layers - args.n_dense_layers, 0) * args.n_routed_experts
+    if experts > MAX_EXPERT_MODULES:
+        out.append(f"{experts} routed experts in all (MoE blocks x experts): more than {MAX_EXPERT_MODULES}")
+    return out
+
+
 def _wrong_types(args: ModelArgs) -> list[str]:
-    """A JSON string or list where a number belongs, or a number where a name belongs.
-    bos/eos ids are not checked: some Hugging Face configs give a list of ids."""
+    """A JSON string or list where a number belongs, or a number where a name belongs."""
     wrong = []
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if f.type == "int":
-            ok = isinstance(value, int) and not isinstance(value, bool)
+            ok = _is_int(value)
             kind = "an integer"
+        elif f.type == "int | None":
+            ok = value is None or _is_int(value)
+            kind = "an integer or null"
         elif f.type == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             kind = "a number"
@@ -403,7 +467,7 @@ def _wrong_types(args: ModelArgs) -> list[str]:
         else:
             continue
         if not ok:
-            wrong.append(f"{f.name} must be {kind}, not {value!r}")
+            wrong.append(f"{f.name} must be {kind}, not {_short(value)}")
     return wrong
 
 

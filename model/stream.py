@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .checkpoint import TensorReader, WeightSource, numel_of, validate
+from .checkpoint import CheckpointError, TensorReader, WeightSource, numel_of, validate
 from .fp8 import FP8
 from .hooks import Hooks
 from .kernels import use_once
@@ -228,6 +228,11 @@ class Streamer:
                         eu.block = i
                         self._block_experts.setdefault(i, []).append(eu)
         self._chain += [self._unit("norm", model.norm), self._unit("head", model.head)]
+        try:
+            self._check_memory()
+        except CheckpointError:
+            self._reader.close()
+            raise
         hooks = self._hooks = Hooks()  # the weights come in for this thread's forward
         for k, unit in enumerate(self._chain):
             module = model.get_submodule(unit.name)
@@ -281,6 +286,22 @@ class Streamer:
                         self._expert_pre_hook(unit.block, j)(module, ())
                         self._expert_post_hook(unit.block, j)(module, (), None)
             self._post_hook(k)(module, (), None)
+
+    def _check_memory(self) -> None:
+        """Refuse, before the first read, a unit (a block, an expert, the head) that cannot fit in
+        the device's free memory on its own: a config may describe any size, streaming bounds
+        what is resident, not what one unit needs."""
+        reader = self._reader
+        largest = max(
+            [*self._chain, *self._experts.values()],
+            key=lambda unit: sum(reader.nbytes(to_hf(p.name), self.parts.get(p.name)) for p in unit.params),
+        )
+        nbytes = sum(reader.nbytes(to_hf(p.name), self.parts.get(p.name)) for p in largest.params)
+        free = available_memory(self.device)
+        if nbytes > free:
+            raise CheckpointError(
+                f"{largest.name} alone takes {nbytes / 2**30:,.1f} GiB and {self.device} has {free / 2**30:,.1f} GiB free"
+            )
 
     def _unit(self, name: str, module: nn.Module, skip: str | None = None) -> _Unit:
         params = []

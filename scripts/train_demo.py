@@ -97,7 +97,7 @@ def train_tokenizer(docs: list[str], directory: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(docs, trainer)
-    if tok.token_to_id(BOS) != DEMO_ARGS.bos_token_id or tok.token_to_id(EOS) != DEMO_ARGS.eos_token_id:
+    if tok.token_to_id(BOS) != DEMO_ARGS.bos_token_id or (tok.token_to_id(EOS),) != DEMO_ARGS.eos_token_id:
         raise RuntimeError("special tokens did not get ids 0 and 1")
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
@@ -134,7 +134,7 @@ def token_stream(docs: list[str], directory: Path) -> torch.Tensor:
     ids: list[int] = []
     for enc in tok.encode_batch(docs, add_special_tokens=False):
         ids.extend(enc.ids)
-        ids.append(DEMO_ARGS.eos_token_id)
+        ids.append(DEMO_ARGS.eos_token_id[0])
     return torch.tensor(ids, dtype=torch.int32)
 
 

@@ -98,7 +98,7 @@ def test_every_v32_mechanism_is_on():
         args.moe_inter_dim,
     ):
         assert width % 128 == 0
-    assert args.bos_token_id is not None and args.eos_token_id is not None
+    assert args.bos_token_id is not None and len(args.eos_token_id) == 1
 
 
 @needs_demo
@@ -131,7 +131,7 @@ def test_tokenizer_adds_bos():
     tok = Tokenizer(DEMO)
     args = ModelArgs.from_file(DEMO)
     assert tok.vocab_size == args.vocab_size
-    assert tok.bos_id == args.bos_token_id and tok.eos_id == args.eos_token_id
+    assert tok.bos_id == args.bos_token_id and (tok.eos_id,) == args.eos_token_id
     ids = tok.encode("It is a truth universally acknowledged.")
     assert ids[0] == args.bos_token_id and len(ids) > 3
     assert tok.decode(ids[1:]) == "It is a truth universally acknowledged."

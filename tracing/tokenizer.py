@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from model.files import FileError, confined, read_json
 
 
 class TokenizerError(ValueError):
     """A missing or unreadable tokenizer, or text it cannot encode."""
 
 
-def _token_content(value) -> str | None:
+def _token_content(config: dict, key: str, path: Path) -> str | None:
+    """A special token's text: a string, or an object with a "content" string (both Hugging Face forms)."""
+    value = config.get(key)
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise TokenizerError(f"{path}: {key} must be a token's text, not {type(value).__name__} {str(value)[:40]}")
+    return value or None
 
 
 def _check_utf8(text: str) -> None:
@@ -30,29 +35,44 @@ def _check_utf8(text: str) -> None:
         raise TokenizerError(f"the prompt is not valid UTF-8 ({what} at character {exc.start})") from None
 
 
+def _confined(directory: Path, name: str) -> Path:
+    try:
+        return confined(directory, name)
+    except FileError as exc:
+        raise TokenizerError(f"{directory}: {exc}") from None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = read_json(path)
+    except FileError as exc:
+        raise TokenizerError(f"{path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: must be a JSON object, not {type(config).__name__}")
+    return config
+
+
 class Tokenizer:
     """Encode prompts and show tokens; prepends BOS when tokenizer_config.json asks for it."""
 
     def __init__(self, directory: str | os.PathLike):
         directory = Path(directory)
-        path = directory / "tokenizer.json"
+        path = _confined(directory, "tokenizer.json")
         if not path.is_file():
             raise TokenizerError(f"{path}: no tokenizer.json")
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the library raises bare Exceptions for malformed files
             raise TokenizerError(f"{path}: not a readable tokenizer ({exc})") from None
-        config = {}
-        config_path = directory / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, ValueError) as exc:
-                raise TokenizerError(f"{config_path}: not valid JSON ({exc})") from None
-        bos = _token_content(config.get("bos_token"))
+        config_path = _confined(directory, "tokenizer_config.json")
+        config = _read_config(config_path) if config_path.is_file() else {}
+        bos = _token_content(config, "bos_token", config_path)
         self.bos_id = self._tok.token_to_id(bos) if bos else None
-        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
-        eos = _token_content(config.get("eos_token"))
+        add_bos = config.get("add_bos_token") or False
+        if not isinstance(add_bos, bool):
+            raise TokenizerError(f"{config_path}: add_bos_token must be true or false, not {str(add_bos)[:40]}")
+        self.add_bos = add_bos and self.bos_id is not None
+        eos = _token_content(config, "eos_token", config_path)
         self.eos_id = self._tok.token_to_id(eos) if eos else None
 
     @property
