@@ -8,7 +8,7 @@ import json
 import sys
 
 from ..errors import InputError
-from .inputs import integer
+from .inputs import integer, named_path
 from .loading import add_device_options, add_source_options
 
 FILES = frozenset({"patching.csv", "patching.parquet", "summary.json"})  # what a sweep's directory holds
@@ -34,7 +34,9 @@ def add_parser(sub) -> None:
     )
     patching.add_argument("--positions", default="all", help="all (default), last, or A:B (positions A..B-1)")
     patching.add_argument("--max-runs", type=integer(1), default=5000, help="refuse a sweep of more patched runs (default 5000)")
-    patching.add_argument("--out", required=True, metavar="DIR", help="the directory: patching.csv, summary.json")
+    patching.add_argument(
+        "--out", required=True, type=named_path, metavar="DIR", help="the directory: patching.csv, summary.json"
+    )
     patching.add_argument("--parquet", action="store_true", help="also patching.parquet")
     add_device_options(patching)
     patching.set_defaults(func=cmd_patching)
