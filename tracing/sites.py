@@ -267,8 +267,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         "layers.{i}.ffn.gate.margin",
         "N",
         F32,
-        "the biased score of the k-th chosen expert minus the best unchosen one's inside the chosen groups: "
-        "near 0, a near-tie",
+        "the biased score of the k-th chosen expert minus the best unchosen one's inside the chosen groups: near 0, a near-tie",
         blocks="moe",
         derived_from="ffn.gate.topk_indices",
         default=True,
