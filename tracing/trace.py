@@ -26,11 +26,6 @@ from .sites import index_range, layer_site, site_legend, site_name, site_shape
 FORMAT = "deepseek-v32-trace"
 VERSION = "1"
 
-# A file's config sets loop bounds and table widths that its tensors need not show (a trace may
-# hold one block's sites, or the gate's choices without its scores): bounded far above any
-# DeepSeek model (61 blocks, 256 experts), so a small file cannot claim work without end.
-MAX_LAYERS = 4096
-MAX_EXPERTS = 4096
 MAX_EXPERT_ROWS = 1 << 22  # MoE blocks held x experts: the rows of a table per block and expert (real: 58 x 256)
 
 
@@ -154,12 +149,14 @@ class Trace:
     def validate(self) -> None:
         """Every tensor is a known site with the shape, dtype and values this config and prompt
         imply, so that every reader may index with them. Checked tensor by tensor from the names the
-        file holds: the cost follows the file's size, never the sizes its config claims."""
-        _check_limits(self.config)
+        file holds: the cost follows the file's size, never the sizes its config claims (which
+        ModelArgs bounds: model.config's MAX_LAYERS, MAX_EXPERT_MODULES, MAX_WIDTH)."""
         ids = self.tensors.get("tokens")
         if ids is None or ids.dim() != 1 or ids.dtype != torch.int64:
             raise TraceError("tensor 'tokens' must be int64 [T]")
-        if len(ids) != len(self.tokens) or len(ids) == 0:
+        if len(ids) == 0:
+            raise TraceError("the trace holds no token: nothing was traced")
+        if len(ids) != len(self.tokens):
             raise TraceError(f"{len(ids)} token ids but {len(self.tokens)} token strings")
         _check_values("tokens", ids, 0, self.config.vocab_size)
         n = len(ids)
@@ -254,13 +251,6 @@ def _check_widths(trace: Trace) -> None:
             f"{blocks} routed blocks of {trace.config.n_routed_experts} experts: more than {MAX_EXPERT_ROWS:,} "
             "block-expert rows, not a trace of a model this code traces"
         )
-
-
-def _check_limits(config: ModelArgs) -> None:
-    """No more blocks or experts than any model this code traces (ModelArgs checks the rest)."""
-    for name, limit in (("n_layers", MAX_LAYERS), ("n_routed_experts", MAX_EXPERTS)):
-        if getattr(config, name) > limit:
-            raise TraceError(f"config: {name} is {getattr(config, name)}, more than {limit}: not a model this code traces")
 
 
 def _check_values(name: str, tensor: torch.Tensor, low: int, high: int) -> None:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 import tracing.tables.frames  # noqa: F401  (imported here, so the timings below are the trace's own)
 from model import TINY
+from model.config import MAX_EXPERT_MODULES, MAX_LAYERS
 from tracing.cli.commands import main
 from tracing.errors import InputError
 from tracing.runner import trace_tokens
@@ -18,7 +19,7 @@ from tracing.sites import LOGIT_LENS, estimate_bytes, select
 from tracing.trace import Trace, TraceError
 
 IDS = [5, 17, 300, 2, 9, 44, 123, 7, 88, 61]  # T=10 > index_topk=8: the first queries select -1 keys
-MAX_LAYERS = MAX_EXPERTS = 4096  # the most blocks and experts a trace's config may claim
+MAX_EXPERTS = MAX_EXPERT_MODULES // 4  # a model at the limits: one MoE block of this many experts
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,10 @@ def tokens_only(trace):
 @pytest.mark.parametrize(
     "config, size",
     [
-        ({"n_layers": 2_000_000}, "n_layers"),
-        ({"n_routed_experts": 262_144}, "n_routed_experts"),
-        ({"n_layers": 2_000_000, "n_dense_layers": 1_999_999}, "n_layers"),
+        ({"n_layers": 2_000_000}, "n_layers must be at most"),
+        ({"n_routed_experts": 262_144}, "routed experts in all"),
+        ({"n_layers": 2_000_000, "n_dense_layers": 1_999_999}, "n_layers must be at most"),
+        ({"n_layers": MAX_LAYERS + 1, "n_dense_layers": MAX_LAYERS}, "blocks in all"),
     ],
 )
 def test_a_small_file_claiming_a_huge_model_is_refused_at_once(capsys, tmp_path, trace, config, size):
@@ -67,12 +69,13 @@ def test_a_small_file_claiming_a_huge_model_is_refused_at_once(capsys, tmp_path,
     assert path.stat().st_size < 2048
     code, lines, seconds = export(capsys, path, tmp_path / "csv")
     assert code == 2 and len(lines) == 1, lines
-    assert re.fullmatch(rf"error: .*t\.safetensors: config: {size} is \d+, more than 4096: .*", lines[0]), lines[0]
+    assert re.fullmatch(rf"error: .*t\.safetensors: bad metadata \(.*{size}.*\)", lines[0]), lines[0]
     assert seconds < 2 and not (tmp_path / "csv").exists()
 
 
 def test_a_consistent_file_of_a_model_at_the_limits_costs_what_the_file_holds(capsys, tmp_path, trace):
-    """The largest config a trace may claim, 4096 blocks (the last one MoE) of 4096 experts, with the
+    """A config at the limits a trace may claim (model.config: MAX_LAYERS blocks, the last one MoE, of
+    a quarter of MAX_EXPERT_MODULES experts), with the
     last block's router recorded: validation and export read the sites the file holds, never every
     block or expert of the config; a site past the last block is refused."""
     config = {"n_layers": MAX_LAYERS, "n_dense_layers": MAX_LAYERS - 1, "n_routed_experts": MAX_EXPERTS}
@@ -99,7 +102,7 @@ def test_a_consistent_file_of_a_model_at_the_limits_costs_what_the_file_holds(ca
         config,
     )
     with pytest.raises(
-        TraceError, match=rf"'layers\.{MAX_LAYERS}\.resid_post' is not a trace site of this model \(it has 4096 blocks\)"
+        TraceError, match=rf"'layers\.{MAX_LAYERS}\.resid_post' is not a trace site of this model \(it has {MAX_LAYERS} blocks\)"
     ):
         Trace.load(beyond)
 
