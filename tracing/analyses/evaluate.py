@@ -12,12 +12,13 @@ context. Bits per byte are the summed NLL in bits over the UTF-8 bytes of the te
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from .interventions import applied
 
 DEFAULT_MAX_CONTEXT = 2048  # longest default window (the 671B config allows 163840 positions)
 LOGITS_BUDGET = 2**27  # float32 logits per forward pass (512 MB)
@@ -44,6 +45,7 @@ def evaluate(
     stride: int | None = None,
     batch_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    interventions: Sequence = (),
 ) -> dict:
     """Score ``text`` with ``model`` (a :class:`model.transformer.Transformer`).
 
@@ -51,8 +53,10 @@ def evaluate(
     ``context``: positions per window including BOS (default: the model's ``max_seq_len``, at most
     2048); ``stride``: tokens a window advances (default ``context // 2``); ``batch_size``: windows
     per forward pass (default: as many as keep the float32 logits near 512 MB, at most 8).
-    Returns tokens, mean_nll (nats per token), perplexity, top1_accuracy and bits_per_byte, with
-    bytes, context and stride.
+    ``interventions`` (tracing.analyses.interventions: ablated experts, no correction bias, another
+    index_topk, ...) apply to every window: the loss under an intervention. Returns tokens, mean_nll
+    (nats per token), perplexity, top1_accuracy and bits_per_byte, with bytes, context and stride
+    (and the interventions, described).
     """
     if not text:
         raise InputError("evaluate: the text is empty")
@@ -102,7 +106,8 @@ def evaluate(
                 keep.append(first - start)  # positions before this were scored by an earlier window
             x = torch.tensor(inputs, dtype=torch.long, device=device)
             y = torch.tensor(tgts, dtype=torch.long, device=device)
-            logits = model(x, all_logits=True).float()  # (B, T, V)
+            with applied(model, interventions):  # checked and hooked per batch: a few microseconds
+                logits = model(x, all_logits=True).float()  # (B, T, V)
             nll = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
             hit = logits.argmax(dim=-1) == y
             for row, k in enumerate(keep):
@@ -122,4 +127,5 @@ def evaluate(
         "bytes": n_bytes,
         "context": context,
         "stride": stride,
+        **({"interventions": [i.describe() for i in interventions]} if interventions else {}),
     }

@@ -11,7 +11,8 @@ line): a causal check of one position's attribution removes the part there and n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -431,3 +432,42 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     elif attention is not None:
         out.append(IndexTopK(int(attention)))
     return out
+
+
+@contextmanager
+def applied(model, interventions: Sequence[Intervention]):
+    """``model``'s forward passes in this thread under ``interventions``, recording nothing: for work
+    that batches many sequences (``eval``, where the Tracer's one-sequence records do not apply). Each
+    pass is a prefill of every position."""
+    from model.hooks import Hooks
+
+    from ..sites import hook_points
+
+    points, replacers = hook_points(model), {}
+    for intervention in interventions:
+        for name, fn in intervention.replacements(model.args).items():
+            if name not in points:
+                raise InputError(f"{intervention.describe()}: {name!r} is not a hook point of this model")
+            replacers.setdefault(name, []).append(fn)
+    kept = {site_name(int(name.split(".")[1]), read) for name in replacers for read in spec(name).reads}
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(name: str, fns: list):
+        def run(module, inputs, output):
+            value = output
+            if fns:
+                axis = 0 if spec(name).legend.startswith("N") else 1
+                ctx = PassContext(name, 0, seen, value.shape[axis])
+                for fn in fns:
+                    new = fn(value, ctx)
+                    value = value if new is None else new
+            if name in kept:
+                seen[name] = value
+            return None if value is output else value
+
+        return run
+
+    with Hooks() as hooks:
+        for name in sorted(set(replacers) | kept):
+            hooks.after(points[name], hook(name, replacers.get(name, [])))
+        yield

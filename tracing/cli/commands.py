@@ -80,23 +80,41 @@ def _patches_from(path: str | None, patterns: str | None) -> dict | None:
     return {name: trace.tensors[name] for name in names}
 
 
-def request_from_args(args: argparse.Namespace) -> TraceRequest:
-    """The TraceRequest ``run``'s flags ask for, checked (before any model loads)."""
+def intervention_spec(args: argparse.Namespace) -> dict:
+    """The interventions the flags ask for (add_intervention_flags), as from_spec reads them."""
     if args.dense_attention and args.index_topk is not None:
         raise InputError("--dense-attention and --index-topk exclude each other")
-    if args.causal is not None and not args.attribute:
-        raise InputError("--causal applies to --attribute: the check removes the attribution's parts")
-    if args.patch and args.patch_from:
-        raise InputError("--patch and --patch-from exclude each other")
-    if args.sites and not args.patch_from:
-        raise InputError("--sites applies to --patch-from")
-    interventions = {
+    spec = {
         "ablate": args.ablate_experts or "",
         "zero_experts": args.zero_experts or "",
         "ablate_heads": args.ablate_heads or "",
         "no_bias": "all" if args.no_gate_bias else None,
         "attention": "dense" if args.dense_attention else args.index_topk,
     }
+    return {key: value for key, value in spec.items() if value}
+
+
+def add_intervention_flags(parser, positions: bool = True) -> None:
+    """--ablate-experts, --zero-experts, --ablate-heads (at ``positions`` too), --no-gate-bias,
+    --dense-attention, --index-topk: one set of flags for every command that runs the model."""
+    at = "[@P|@A:B]" if positions else ""  # the positions where a removal acts (default: every position)
+    parser.add_argument("--ablate-experts", metavar=f"LAYER:EXPERT{at},...", help="experts never chosen (routed around)")
+    parser.add_argument("--zero-experts", metavar=f"LAYER:EXPERT{at},...", help="experts still chosen that contribute nothing")
+    parser.add_argument("--ablate-heads", metavar=f"LAYER:HEAD{at},...", help="attention heads whose output is zero before wo")
+    parser.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
+    parser.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
+    parser.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")
+
+
+def request_from_args(args: argparse.Namespace) -> TraceRequest:
+    """The TraceRequest ``run``'s flags ask for, checked (before any model loads)."""
+    if args.causal is not None and not args.attribute:
+        raise InputError("--causal applies to --attribute: the check removes the attribution's parts")
+    if args.patch and args.patch_from:
+        raise InputError("--patch and --patch-from exclude each other")
+    if args.sites and not args.patch_from:
+        raise InputError("--sites applies to --patch-from")
+    interventions = intervention_spec(args)
     request = TraceRequest(
         prompt=args.prompt,
         token_ids=None if args.token_ids is None else token_ids(args.token_ids),
@@ -112,7 +130,7 @@ def request_from_args(args: argparse.Namespace) -> TraceRequest:
         position=args.position,
         target=args.target,
         contrast=args.contrast,
-        interventions={key: value for key, value in interventions.items() if value},
+        interventions=interventions,
         patch_positions=args.positions,
         patches=_load_patches(args.patch)
         if args.patch
@@ -303,10 +321,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InputError(f"{path}: cannot read the text file ({exc})") from None
     if not text.strip():
         raise InputError(f"{path}: the text file is empty")
+    from ..analyses.interventions import from_spec
+
+    interventions = from_spec(intervention_spec(args))
+    if any(getattr(i, "positions", None) is not None for i in interventions):
+        raise InputError("eval: a removal acts at every position of every window (LAYER:ID@P applies to run)")
     loaded = open_checkpoint(args.checkpoint, parse_device(args.device), parse_dtype(args.dtype))
     if loaded.tokenizer is None:
         raise InputError(f"{loaded.label} has no tokenizer.json: eval needs one")
-    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text), allow_nan=False))
+    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text, interventions=interventions), allow_nan=False))
     return 0
 
 
@@ -374,13 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--sites", metavar="PATTERN,...", help="with --patch-from: the sites to patch (glob patterns)")
     run.add_argument("--positions", metavar="P|A:B", help="with --patch or --patch-from: patch only these positions (A..B-1)")
-    at = "[@P|@A:B]"  # the positions where a removal acts (default: every position)
-    run.add_argument("--ablate-experts", metavar=f"LAYER:EXPERT{at},...", help="experts never chosen (routed around)")
-    run.add_argument("--zero-experts", metavar=f"LAYER:EXPERT{at},...", help="experts still chosen that contribute nothing")
-    run.add_argument("--ablate-heads", metavar=f"LAYER:HEAD{at},...", help="attention heads whose output is zero before wo")
-    run.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
-    run.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
-    run.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")
+    add_intervention_flags(run)
     run.add_argument(
         "--attribute",
         action="store_true",
@@ -421,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text-file", type=named_path, required=True, help="UTF-8 text to score")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="bfloat16")
+    add_intervention_flags(ev, positions=False)
     ev.set_defaults(func=cmd_eval)
 
     atlas_cli.add_parser(sub)
