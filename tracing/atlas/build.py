@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from model.config import ModelArgs
 
+from ..analyses.interventions import applied
 from ..cli.inputs import parse_float, parse_int
 from ..cli.output import Outputs, check_directory, write_file
 from ..cli.progress import ProgressBar
@@ -167,6 +168,7 @@ class AtlasJob:
     resume: bool = False
     leaders: object = None  # with the model split per node: the group of each replica's first rank
     weights: list | None = None  # the checkpoint's weight files (shard_fingerprint); None: synthetic weights
+    interventions: tuple = ()  # tracing.analyses.interventions, applied to every batch (the counts see what the model used)
     done: int = field(default=0, init=False)  # batches counted by the checkpoint resumed
 
     def __post_init__(self):
@@ -196,6 +198,7 @@ class AtlasJob:
             "batch_size": self.batch_size,
             "max_tokens": self.max_tokens,
             "weights": self.weights,
+            **({"interventions": [i.describe() for i in self.interventions]} if self.interventions else {}),
         }
         self._state: dict[str, torch.Tensor] | None = None
         self._seconds = 0.0
@@ -273,7 +276,8 @@ class AtlasJob:
         bar = ProgressBar(total, enabled=progress and rank == 0)
         started = time.perf_counter()
         last_checkpoint, session_tokens, counted = started, 0, 0
-        with counts.watch(model), torch.inference_mode(), loaded.context() or nullcontext():
+        # the interventions' hooks first: the counts' hooks then read the values the model uses
+        with applied(model, self.interventions), counts.watch(model), torch.inference_mode(), loaded.context() or nullcontext():
             for index, batch in enumerate(self.corpus.batches()):
                 counted += len(batch) * len(batch[0])
                 if index < done:
@@ -342,6 +346,7 @@ class AtlasJob:
                 "stream": loaded.stream,
                 "parallel": _layout(loaded, world),
                 "world_size": world,
+                "interventions": [i.describe() for i in self.interventions],
                 "batches": self.survey.batches,
             },
             "resumed_after_batches": resumed,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from .inputs import finite, integer, named_path
+from .inputs import add_intervention_flags, finite, integer, intervention_spec, named_path
 from .loading import add_device_options, add_source_options
 
 
@@ -58,6 +58,7 @@ def add_parser(sub) -> None:
     atlas.add_argument(
         "--min-count", type=integer(), default=5, help="fewest occurrences of a token (or expert-token pair) to rank"
     )
+    add_intervention_flags(atlas, positions=False)
     atlas.set_defaults(func=cmd_atlas)
 
 
@@ -66,12 +67,16 @@ def cmd_atlas(args: argparse.Namespace) -> int:
     from model.config import ConfigError
     from model.synthetic import synthetic_source
 
+    from ..analyses.interventions import from_spec
     from ..atlas import AtlasJob
     from ..atlas.build import shard_fingerprint
     from ..atlas.corpus import Source
     from ..tokenizer import Tokenizer
     from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint
 
+    interventions = tuple(from_spec(intervention_spec(args)))
+    if any(getattr(i, "positions", None) is not None for i in interventions):
+        raise InputError("atlas: a removal acts at every position of every sequence (LAYER:ID@P applies to run)")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     if args.checkpoint_every < 0:
         raise InputError(f"--checkpoint-every {args.checkpoint_every}: must be 0 or more seconds")
@@ -107,6 +112,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
         label=label,
         resume=args.resume,
         weights=weights,
+        interventions=interventions,
     )
     group = None
     if args.model_ranks is not None:

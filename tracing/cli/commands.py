@@ -26,7 +26,7 @@ from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
 from . import patching as patching_cli
 from . import serve
-from .inputs import Parser, finite, integer, is_int, named_path, regular_file
+from .inputs import Parser, add_intervention_flags, finite, integer, intervention_spec, is_int, named_path, regular_file
 from .loading import (
     add_device_options,
     add_source_options,
@@ -78,32 +78,6 @@ def _patches_from(path: str | None, patterns: str | None) -> dict | None:
     if not names:
         raise InputError(f"--patch-from {path}: the trace holds none of the sites {patterns!r}")
     return {name: trace.tensors[name] for name in names}
-
-
-def intervention_spec(args: argparse.Namespace) -> dict:
-    """The interventions the flags ask for (add_intervention_flags), as from_spec reads them."""
-    if args.dense_attention and args.index_topk is not None:
-        raise InputError("--dense-attention and --index-topk exclude each other")
-    spec = {
-        "ablate": args.ablate_experts or "",
-        "zero_experts": args.zero_experts or "",
-        "ablate_heads": args.ablate_heads or "",
-        "no_bias": "all" if args.no_gate_bias else None,
-        "attention": "dense" if args.dense_attention else args.index_topk,
-    }
-    return {key: value for key, value in spec.items() if value}
-
-
-def add_intervention_flags(parser, positions: bool = True) -> None:
-    """--ablate-experts, --zero-experts, --ablate-heads (at ``positions`` too), --no-gate-bias,
-    --dense-attention, --index-topk: one set of flags for every command that runs the model."""
-    at = "[@P|@A:B]" if positions else ""  # the positions where a removal acts (default: every position)
-    parser.add_argument("--ablate-experts", metavar=f"LAYER:EXPERT{at},...", help="experts never chosen (routed around)")
-    parser.add_argument("--zero-experts", metavar=f"LAYER:EXPERT{at},...", help="experts still chosen that contribute nothing")
-    parser.add_argument("--ablate-heads", metavar=f"LAYER:HEAD{at},...", help="attention heads whose output is zero before wo")
-    parser.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
-    parser.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
-    parser.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")
 
 
 def request_from_args(args: argparse.Namespace) -> TraceRequest:

@@ -102,3 +102,29 @@ def regular_file(path: str | os.PathLike, what: str, limit: int | None = None, m
     if limit is not None and st.st_size > limit:
         raise InputError(f"{path}: {st.st_size:,} bytes, more than a {what} can hold ({limit:,})")
     return path
+
+
+def intervention_spec(args: argparse.Namespace) -> dict:
+    """The interventions the flags ask for (add_intervention_flags), as from_spec reads them."""
+    if args.dense_attention and args.index_topk is not None:
+        raise InputError("--dense-attention and --index-topk exclude each other")
+    spec = {
+        "ablate": args.ablate_experts or "",
+        "zero_experts": args.zero_experts or "",
+        "ablate_heads": args.ablate_heads or "",
+        "no_bias": "all" if args.no_gate_bias else None,
+        "attention": "dense" if args.dense_attention else args.index_topk,
+    }
+    return {key: value for key, value in spec.items() if value}
+
+
+def add_intervention_flags(parser, positions: bool = True) -> None:
+    """--ablate-experts, --zero-experts, --ablate-heads (at ``positions`` too), --no-gate-bias,
+    --dense-attention, --index-topk: one set of flags for every command that runs the model."""
+    at = "[@P|@A:B]" if positions else ""  # the positions where a removal acts (default: every position)
+    parser.add_argument("--ablate-experts", metavar=f"LAYER:EXPERT{at},...", help="experts never chosen (routed around)")
+    parser.add_argument("--zero-experts", metavar=f"LAYER:EXPERT{at},...", help="experts still chosen that contribute nothing")
+    parser.add_argument("--ablate-heads", metavar=f"LAYER:HEAD{at},...", help="attention heads whose output is zero before wo")
+    parser.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
+    parser.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
+    parser.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")

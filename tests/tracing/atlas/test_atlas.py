@@ -410,3 +410,20 @@ def test_specificity_orders_tokens_of_equal_exclusivity_by_their_count():
     exclusive = frame[frame["token_id"] != 4]
     assert exclusive["pmi"].nunique() == 1 and exclusive["specificity"].is_monotonic_decreasing
     assert (frame["specificity"] < frame["pmi"]).all()  # the prior pulls every score toward 0
+
+
+def test_an_atlas_under_an_intervention_counts_what_the_model_used(tmp_path, capsys, atlas_dir):
+    out = tmp_path / "ablated"
+    assert main(["atlas", *ARGS, "--batch-size", "4", "--ablate-experts", "1:0,1:3", "--out", str(out)]) == 0
+    ablated, plain = read_atlas(out), read_atlas(atlas_dir)
+    load = ablated.tables["expert_load"].query("block == 1 and expert in (0, 3)")
+    assert (load["count"] == 0).all() and (
+        plain.tables["expert_load"].query("block == 1 and expert in (0, 3)")["count"] > 0
+    ).any()
+    assert ablated.summary["settings"]["interventions"] == ["ablate 1:0, 1:3"]
+    assert ablated.summary["tokens"] == plain.summary["tokens"]
+    capsys.readouterr()
+    assert main(["atlas", *ARGS, "--batch-size", "4", "--no-gate-bias", "--resume", "--out", str(out)]) == 2
+    assert "interventions" in capsys.readouterr().err  # another intervention is another run: not resumed
+    assert main(["atlas", *ARGS, "--zero-experts", "1:0@3", "--out", str(tmp_path / "x")]) == 2
+    assert "applies to run" in capsys.readouterr().err
