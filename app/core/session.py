@@ -73,6 +73,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("attr_position", "Attribution: the attributed position", kept=True),
     Key("attr_target", "Attribution: the target token", kept=True),
     Key("attr_contrast", "Attribution: the contrast token", kept=True),
+    Key("attr_target_text", "Attribution: a target typed as text or id (any token)", kept=True),
+    Key("attr_contrast_text", "Attribution: a contrast typed as text or id (any token)", kept=True),
     Key("attr_threshold", "Attribution: the contribution graph's edge threshold", kept=True),
     Key("attr_flow_run", "Attribution: the contribution graph's button"),
     Key("attr_flow_for", "Attribution: the plain trace's key the contribution graph was asked for"),

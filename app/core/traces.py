@@ -271,6 +271,27 @@ def request_for(
     )
 
 
+def token_of(om: AppModel, flag: str, value: int | str) -> int:
+    """One token's id from its text (as the model's tokenizer reads it, on a server too) or its
+    number: any token of the vocabulary, not only the top predictions."""
+    if isinstance(value, int) or (value.strip().isascii() and value.strip().isdigit()):
+        token = int(value)
+        if not 0 <= token < om.args.vocab_size:
+            raise InputError(f"{flag} {token}: token ids are 0..{om.args.vocab_size - 1}")
+        return token
+
+    def tokens(text: str) -> list[int]:  # the text's ids without the BOS the tokenizer adds
+        ids = om.encode(TraceRequest(prompt=text))
+        return ids[1:] if ids and ids[0] == om.args.bos_token_id else ids
+
+    got = tokens(value)
+    if len(got) != 1:
+        spaced = not value.startswith(" ") and len(tokens(" " + value)) == 1
+        hint = f"; {' ' + value!r} is one token" if spaced else ""
+        raise InputError(f"{flag} {value!r} is {len(got)} tokens: give one token (or its id){hint}")
+    return got[0]
+
+
 def encode(om: AppModel, prompt: str, chat: Chat | None = None) -> list[int]:
     """Token ids of the prompt (as a chat turn when ``chat``), or InputError saying what is wrong with it."""
     return _encoded(om, request_for(om, prompt, chat=chat))

@@ -16,7 +16,7 @@ from app import card_view, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.core.session import View, session_model
-from app.core.traces import Entry, TraceKey, trace_prompt
+from app.core.traces import Entry, TraceKey, token_of, trace_prompt
 from app.pages import PAGES
 from app.topics import attribution as topic
 from app.topics import interventions
@@ -30,6 +30,7 @@ PICKED_FOR = "attr_picked_for"  # the plain trace's key the pickers were set for
 NONE = -1  # the contrast picker's "none" (a selectbox shows None as no choice at all)
 TARGET_HELP = "The position's ten most likely next tokens, the most likely first."
 CONTRAST_HELP = "Attribute the target's logit minus this token's: what makes the model prefer one over the other."
+ANY_HELP = "Any token of the vocabulary, by its text (a leading space is part of it: ' Wentworth') or its id."
 INTERVENTIONS = next(p for p in PAGES if p.name == "interventions")
 
 
@@ -88,6 +89,17 @@ def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:
     others = [NONE, *(i for i in options if i != target)]
     name = lambda i: "none" if i == NONE else f"minus {topic.token_name(trace, i)}"  # noqa: E731
     contrast = pick(right, "Contrast", others, "attr_contrast", name, CONTRAST_HELP)
+    typed = middle.text_input("…or any token", key="attr_target_text", placeholder="text or id", help=ANY_HELP)
+    typed_contrast = right.text_input("…or any token", key="attr_contrast_text", placeholder="text or id", help=ANY_HELP)
+    om = session_model()
+    try:
+        if typed.strip() and om is not None:
+            target = token_of(om, "Target", typed)
+        if typed_contrast.strip() and om is not None:
+            contrast = token_of(om, "Contrast", typed_contrast)
+    except BAD_INPUT as exc:
+        st.error(f"**Not attributed.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+        st.stop()
     return AttributionRequest(position, target, None if contrast == NONE else contrast)
 
 

@@ -16,11 +16,10 @@ from app import comparison, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.core.session import current, session_model
-from app.core.traces import request_for, token_limit, trace_prompt
+from app.core.traces import request_for, token_limit, token_of, trace_prompt
 from app.topics import patching as topic
 from tracing.analyses.patching import SITES, Cell, patch_of, record_for, sweep
 from tracing.errors import InputError
-from tracing.runner import TraceRequest
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
 MAX_RUNS = 3000  # one forward each: a sweep larger than this is refused before it starts
@@ -88,7 +87,7 @@ def run_sweep(om: AppModel, asked: tuple) -> None:
             sites=sites,
             positions=positions,
             max_runs=MAX_RUNS,
-            token_id=lambda flag, value: _resolve(om, flag, value),
+            token_id=lambda flag, value: token_of(om, flag, value),
             on_cell=on_cell,
         )
     except BAD_INPUT as exc:
@@ -102,17 +101,6 @@ def run_sweep(om: AppModel, asked: tuple) -> None:
 def _token(text: str) -> int | str | None:
     text = text.strip()
     return None if not text else int(text) if text.isascii() and text.isdigit() else text
-
-
-def _resolve(om: AppModel, flag: str, value: int | str) -> int:
-    """A token's text as one id, the way the model's tokenizer reads it (on a server too)."""
-    if isinstance(value, int):
-        return value
-    ids = om.encode(TraceRequest(token_ids=None, prompt=value))
-    start = 1 if ids and len(ids) > 1 and ids[0] == om.args.bos_token_id else 0  # the tokenizer adds BOS
-    if len(ids) - start != 1:
-        raise InputError(f"{flag} {value!r} is {len(ids) - start} tokens: give one token (or its id)")
-    return ids[start]
 
 
 def show(om: AppModel, result: dict) -> None:

@@ -166,3 +166,25 @@ def test_component_cards_link_to_the_attribution(app):
     labels = [link.label for link in links]
     assert "Attribution: this block's heads (block 0)" in labels and "Attribution: the embedding's part" in labels
     assert {link.page for link in links} == {"attribution"}, {link.page for link in links}
+
+
+def test_any_token_of_the_vocabulary_can_be_the_target(app, app_checkpoint):
+    from tracing.cli.loading import resolve_checkpoint
+    from tracing.tokenizer import Tokenizer
+
+    (wentworth,) = Tokenizer(resolve_checkpoint(app_checkpoint)).encode(" Wentworth", add_bos=False)
+    position = app.selectbox(key="attr_position").value
+    plain = app.session_state["trace_key"].plain
+
+    def attributed_to(target: int):
+        request = AttributionRequest(position, target, None)
+        return store().get(TraceKey(**{**plain.__dict__, "variant": topic.variant(request, False)}))
+
+    assert wentworth not in topic.candidates(shown_entry(app).trace, position)  # not among the top ten
+    app.text_input(key="attr_target_text").set_value(" Wentworth").run()
+    checked(app)
+    assert attributed_to(wentworth).trace.extra["attribution"]["target"] == wentworth
+    app.text_input(key="attr_target_text").set_value("Wentworth").run()
+    assert "is 2 tokens" in messages(app.error) and "' Wentworth' is one token" in messages(app.error)
+    app.text_input(key="attr_target_text").set_value(str(wentworth)).run()
+    checked(app)
