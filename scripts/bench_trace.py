@@ -146,12 +146,12 @@ def main() -> None:
     def tracer_empty():
         with torch.inference_mode(), Tracer(model, []) as tracer:
             model(batch)
-            tracer_empty.hooks = len(tracer._handles)
+            tracer_empty.hooks = len(tracer._hooks._handles)
 
     def tracer_default():
         with torch.inference_mode(), Tracer(model) as tracer:
             model(batch)
-            tracer_default.hooks = len(tracer._handles)
+            tracer_default.hooks = len(tracer._hooks._handles)
 
     def trace_default():
         return trace_tokens(model, ids)
