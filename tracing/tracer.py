@@ -21,7 +21,7 @@ from model.hooks import Hooks
 from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
-from .analyses.interventions import Intervention, PassContext, Replace
+from .analyses.interventions import Intervention, Replace, replaced, replacements_of
 from .analyses.ranks import Ranks
 from .errors import InputError
 from .sites import (
@@ -162,12 +162,7 @@ class Tracer:
                 raise InputError(f"patch {name!r} holds NaN or infinite values")
             if self.plan is not None and spec(name).rank_local and self.plan.world > 1:
                 raise InputError(f"patch {name!r}: per-head attention values cannot be patched under tensor parallelism")
-        replacers: dict[str, list[Replace]] = {}
-        for intervention in self.interventions:
-            for name, fn in intervention.replacements(self.args).items():
-                if name not in points:
-                    raise InputError(f"{intervention.describe()}: {name!r} is not a hook point of this model")
-                replacers.setdefault(name, []).append(fn)
+        replacers = replacements_of(self.interventions, self.args, points)
         derived: dict[str, list[str]] = {}  # hook point -> derived sites computed from its value
         keep: set[str] = set()  # hook points whose value later hooks of this pass read
         lens: set[int] = set()  # blocks whose logit lens is asked for: computed at the final norm and head
@@ -272,12 +267,7 @@ class Tracer:
             value = output
             if patch is not None:
                 value = _as_batched(patch, value, name)
-            if replacers:
-                axis = 0 if spec(name).legend.startswith("N") else 1  # positions: (N, ...) or (B, T, ...)
-                ctx = PassContext(name, self._start_pos, self._seen, value.shape[axis])
-            for replace in replacers:
-                new = replace(value, ctx)
-                value = value if new is None else new
+            value = replaced(name, value, replacers, self._start_pos, self._seen)
             if value is not output and name.endswith("topk_indices"):
                 _check_indices(name, value, self.args, self._start_pos)
             if keep:

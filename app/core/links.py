@@ -14,29 +14,33 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from tracing.cli.inputs import parse_float, parse_int
+from tracing.errors import InputError
+
 LONGEST = 20_000  # characters of a prompt, as the sidebar's field takes
 LOADED = "links_loaded"  # the session read its URL already (once, on its first run)
 
 
 def _integer(low: int, high: int) -> Callable[[str], int]:
+    """The command line's integer rule (ASCII digits, in range): ValueError when it does not read."""
+
     def read(text: str) -> int:
-        sign = text.startswith("-")
-        digits = text[1:] if sign else text
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 12):
-            raise ValueError(text)
-        value = -int(digits) if sign else int(digits)
-        if not low <= value <= high:
-            raise ValueError(text)
-        return value
+        try:
+            return parse_int(text, "", low, high)
+        except InputError:
+            raise ValueError(text) from None
 
     return read
 
 
 def _number(low: float, high: float) -> Callable[[str], float]:
+    """The command line's finite-float rule, in range."""
+
     def read(text: str) -> float:
-        if len(text) > 24:
-            raise ValueError(text)
-        value = float(text)  # 'nan' and 'inf' fail the range below
+        try:
+            value = parse_float(text, "")
+        except InputError:
+            raise ValueError(text) from None
         if not low <= value <= high:
             raise ValueError(text)
         return value

@@ -82,8 +82,8 @@ def run_sweep(om: AppModel, asked: tuple) -> None:
         result = sweep(
             lambda request: om.trace(request, None, max_tokens=token_limit(om)),
             *requests,
-            target=_token(target),
-            contrast=_token(contrast),
+            target=target.strip() or None,  # text or id, as token_of reads it
+            contrast=contrast.strip() or None,
             sites=sites,
             positions=positions,
             max_runs=MAX_RUNS,
@@ -96,11 +96,6 @@ def run_sweep(om: AppModel, asked: tuple) -> None:
     finally:
         bar.empty()
     st.session_state[RESULT] = {"asked": asked, "table": result.table, "summary": result.summary}
-
-
-def _token(text: str) -> int | str | None:
-    text = text.strip()
-    return None if not text else int(text) if text.isascii() and text.isdigit() else text
 
 
 def show(om: AppModel, result: dict) -> None:

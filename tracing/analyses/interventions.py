@@ -434,6 +434,31 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     return out
 
 
+def replacements_of(interventions: Sequence[Intervention], args: ModelArgs, points: Mapping) -> dict[str, list[Replace]]:
+    """Every intervention's replacements by hook point, in the order they apply; InputError for a
+    point this model lacks (``points``: its hook points by name)."""
+    out: dict[str, list[Replace]] = {}
+    for intervention in interventions:
+        for name, fn in intervention.replacements(args).items():
+            if name not in points:
+                raise InputError(f"{intervention.describe()}: {name!r} is not a hook point of this model")
+            out.setdefault(name, []).append(fn)
+    return out
+
+
+def replaced(name: str, value: torch.Tensor, fns: Sequence[Replace], start: int, seen: dict) -> torch.Tensor:
+    """``value`` at hook point ``name`` after each replacement in turn (a pass whose first row is
+    position ``start``; ``seen``: the pass's values read later)."""
+    if not fns:
+        return value
+    axis = 0 if spec(name).legend.startswith("N") else 1  # positions: (N, ...) or (B, T, ...)
+    ctx = PassContext(name, start, seen, value.shape[axis])
+    for fn in fns:
+        new = fn(value, ctx)
+        value = value if new is None else new
+    return value
+
+
 @contextmanager
 def applied(model, interventions: Sequence[Intervention]):
     """``model``'s forward passes in this thread under ``interventions``, recording nothing: for work
@@ -441,26 +466,16 @@ def applied(model, interventions: Sequence[Intervention]):
     pass is a prefill of every position."""
     from model.hooks import Hooks
 
-    from ..sites import hook_points
+    from ..sites import hook_points, layer_site
 
-    points, replacers = hook_points(model), {}
-    for intervention in interventions:
-        for name, fn in intervention.replacements(model.args).items():
-            if name not in points:
-                raise InputError(f"{intervention.describe()}: {name!r} is not a hook point of this model")
-            replacers.setdefault(name, []).append(fn)
-    kept = {site_name(int(name.split(".")[1]), read) for name in replacers for read in spec(name).reads}
+    points = hook_points(model)
+    replacers = replacements_of(interventions, model.args, points)
+    kept = {site_name(layer_site(name)[0], read) for name in replacers for read in spec(name).reads}
     seen: dict[str, torch.Tensor] = {}
 
     def hook(name: str, fns: list):
         def run(module, inputs, output):
-            value = output
-            if fns:
-                axis = 0 if spec(name).legend.startswith("N") else 1
-                ctx = PassContext(name, 0, seen, value.shape[axis])
-                for fn in fns:
-                    new = fn(value, ctx)
-                    value = value if new is None else new
+            value = replaced(name, output, fns, 0, seen)
             if name in kept:
                 seen[name] = value
             return None if value is output else value

@@ -21,10 +21,7 @@ def head_recall(scores: torch.Tensor, selected: torch.Tensor, distinct: bool = F
     twice (the indexer's own top-k; a forced selection may repeat one), which saves a sort.
     """
     bsz, seqlen, heads, n_keys = scores.shape
-    if seqlen > 1:  # one query (a decode step) is the last position: it sees every key
-        causal = torch.ones(seqlen, n_keys, dtype=torch.bool, device=scores.device).tril(n_keys - seqlen)  # (T, S)
-        scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
-    dense = scores.softmax(dim=-1, dtype=torch.float32)  # (B, T, H, S)
+    dense = _causal(scores).softmax(dim=-1, dtype=torch.float32)  # (B, T, H, S)
     keys = selected if distinct else selected.sort(dim=-1).values  # (B, T, K)
     query = torch.arange(n_keys - seqlen, n_keys, device=keys.device)[None, :, None]  # (1, T, 1)
     valid = (keys >= 0) & (keys <= query)
