@@ -43,6 +43,10 @@ class Cache:
 
     def __init__(self, n_layers: int):
         self.layers = [LayerCache() for _ in range(n_layers)]
+        self.mtp = LayerCache()  # the MTP module's block (model.mtp), when it runs
+        # the main model's normalised hidden state at the last position of the pass before (B, 1, D):
+        # the MTP entry of that position runs in the next pass, once the token after it is known
+        self.mtp_hidden: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.layers[0].kv.length if self.layers else 0

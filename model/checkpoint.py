@@ -32,7 +32,7 @@ from torch import nn
 
 from .config import ConfigError, ModelArgs
 from .files import CONFIG_BYTES, INDEX_BYTES, FileError, confined, read_json
-from .names import STORED_BF16, from_hf, layer_of, to_hf
+from .names import MTP_SHARED, STORED_BF16, from_hf, layer_of, to_hf
 from .transformer import Transformer
 
 if TYPE_CHECKING:
@@ -381,12 +381,25 @@ class TensorReader:
             self._shards.clear()
 
 
-def expected_specs(args: ModelArgs) -> dict[str, TensorSpec]:
-    """Every checkpoint tensor the model needs (MTP layer excluded): name -> shape and the dtype
-    the checkpoint stores it in (the module's, but bfloat16 for names.STORED_BF16)."""
+def expected_specs(args: ModelArgs, mtp: bool = False) -> dict[str, TensorSpec]:
+    """Every checkpoint tensor the model needs (the MTP layer only with ``mtp``, and then with its
+    copies of the embedding and head): name -> shape and the dtype the checkpoint stores it in (the
+    module's, but bfloat16 for names.STORED_BF16)."""
     with torch.device("meta"):
-        model = Transformer(args)
-    return {to_hf(name): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype)) for name, p in model.named_parameters()}
+        model = Transformer(args, mtp=mtp)
+    specs = {
+        to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype))
+        for name, p in model.named_parameters()
+    }
+    for name in mtp_copies(model):
+        specs[to_hf(name, args.n_layers)] = specs[to_hf(name.split(".", 2)[2])]
+    return specs
+
+
+def mtp_copies(model: nn.Module) -> list[str]:
+    """The module paths (mtp.{j}.embed.weight, mtp.{j}.head.weight) of the checkpoint's copies of
+    the main embedding and head that an MTP module reads (it uses the main model's own)."""
+    return [f"mtp.{j}.{ours}" for j in range(len(getattr(model, "mtp", ()))) for ours, _ in MTP_SHARED]
 
 
 def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -410,7 +423,7 @@ def validate(model: nn.Module, source: WeightSource, prefix: str = "", parts: Ma
     specs = source.specs()
     needed = []
     for name, param in model.named_parameters(prefix=prefix.rstrip(".")):
-        hf = to_hf(name)
+        hf = to_hf(name, source.args.n_layers)
         want = TensorSpec(tuple(param.shape), param.dtype)
         if hf not in specs:
             raise CheckpointError(f"{source.where(hf)}: tensor {hf} ({want}) is missing from the checkpoint")
@@ -437,7 +450,7 @@ def materialize(
     for name, param in list(module.named_parameters(prefix=prefix.rstrip("."))):
         if skip and name in skip:
             continue
-        hf = to_hf(name)
+        hf = to_hf(name, source.args.n_layers)
         tensor = source.load(hf, device)
         check_tensor(
             hf, TensorSpec(tuple(tensor.shape), tensor.dtype), TensorSpec(tuple(param.shape), param.dtype), source.where(hf)
@@ -452,26 +465,51 @@ def materialize(
     return total
 
 
-def build_model(args: ModelArgs, dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.bfloat16) -> Transformer:
-    """The model on the meta device: the structure, no memory."""
+def build_model(
+    args: ModelArgs, dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.bfloat16, mtp: bool = False
+) -> Transformer:
+    """The model on the meta device: the structure, no memory (the MTP module only with ``mtp``)."""
     with torch.device("meta"):
-        return Transformer(args, dtype=dtype, weight_dtype=weight_dtype)
+        return Transformer(args, dtype=dtype, weight_dtype=weight_dtype, mtp=mtp)
+
+
+def has_mtp(source: WeightSource) -> bool:
+    """Whether the source holds the MTP module its config declares (block n_layers)."""
+    n = source.args.n_layers
+    return bool(source.args.n_mtp_layers) and any(layer_of(name) == n for name in source.specs())
 
 
 def load_model(
     source: WeightSource | str | os.PathLike,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    mtp: bool | None = None,
 ) -> Transformer:
-    """A ready model from a checkpoint directory or any WeightSource."""
+    """A ready model from a checkpoint directory or any WeightSource. ``mtp``: load the
+    multi-token-prediction module (None: when the checkpoint holds one; False saves its memory, one
+    MoE block)."""
     if not isinstance(source, WeightSource):
         source = SafetensorsSource(source)
-    model = build_model(source.args, dtype)
+    if mtp and not has_mtp(source):
+        raise CheckpointError(f"{source.where('config.json')}: the checkpoint holds no multi-token-prediction module")
+    model = build_model(source.args, dtype, mtp=has_mtp(source) if mtp is None else mtp)
     needed = set(validate(model, source))
     _check_memory(source, needed, device)
     _warn_unused(source, needed)
     materialize(model, source, device)
+    _check_mtp_copies(model, source)
     return model.eval()
+
+
+def _check_mtp_copies(model: Transformer, source: WeightSource) -> None:
+    """The MTP module reads the main embedding and head: the checkpoint's copies must be those."""
+    for name in mtp_copies(model):
+        copy, main = to_hf(name, source.args.n_layers), to_hf(name.split(".", 2)[2])
+        if copy in source.specs() and not torch.equal(source.load(copy), source.load(main)):
+            raise CheckpointError(
+                f"{source.where(copy)}: {copy} differs from {main}: an MTP module with its own embedding or head is"
+                " not supported (load without the MTP module: --no-mtp)"
+            )
 
 
 def _check_memory(source: WeightSource, needed: set[str], device: torch.device | str) -> None:
@@ -499,8 +537,13 @@ def _warn_unused(source: WeightSource, needed: set[str]) -> None:
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters under their checkpoint names."""
-    return {to_hf(name): p.detach() for name, p in model.named_parameters()}
+    """The model's parameters under their checkpoint names (an MTP module's with its copies of the
+    embedding and head)."""
+    n_layers = model.args.n_layers
+    out = {to_hf(name, n_layers): p.detach() for name, p in model.named_parameters()}
+    for name in mtp_copies(model):
+        out[to_hf(name, n_layers)] = out[to_hf(name.split(".", 2)[2])].clone()  # a file holds no shared tensors
+    return out
 
 
 def save_checkpoint(

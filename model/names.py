@@ -43,8 +43,32 @@ _TO_HF = dict(INNER)
 _FROM_HF = {hf: ours for ours, hf in INNER}
 
 
-def to_hf(name: str) -> str:
-    """Module path of a parameter -> its checkpoint name."""
+# The MTP module (model.mtp.{j}, model/mtp.py) is stored after the blocks, as block n_layers + j:
+# its own pieces by these names, its block's parameters as a block's. embed_tokens and
+# shared_head.head are copies of the main model's embedding and head (the module uses those).
+MTP_OWN: tuple[tuple[str, str], ...] = (
+    ("enorm", "enorm"),
+    ("hnorm", "hnorm"),
+    ("eh_proj", "eh_proj"),
+    ("norm", "shared_head.norm"),
+)
+MTP_SHARED: tuple[tuple[str, str], ...] = (("embed.weight", "embed_tokens.weight"), ("head.weight", "shared_head.head.weight"))
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+
+
+def to_hf(name: str, n_layers: int | None = None) -> str:
+    """Module path of a parameter -> its checkpoint name. An MTP module's (``mtp.0.*``) needs the
+    main model's block count ``n_layers``: it is stored as block ``n_layers``."""
+    if (m := _MTP.fullmatch(name)) is not None:
+        if n_layers is None:
+            raise ValueError(f"{name}: an MTP module's checkpoint name needs the model's block count")
+        layer, rest = n_layers + int(m.group(1)), m.group(2)
+        if rest.startswith("block."):
+            return to_hf(f"layers.{layer}.{rest.removeprefix('block.')}")
+        for ours, hf in MTP_OWN + MTP_SHARED:
+            if rest == ours or rest.startswith(ours + "."):
+                return f"model.layers.{layer}.{hf}{rest[len(ours) :]}"
+        return f"model.layers.{layer}.{rest}"
     top, _, rest = name.partition(".")
     parts = rest.split(".") if rest else []
     if top == "layers" and len(parts) > 2 and parts[1:3] == ["attn", "indexer"]:
@@ -56,8 +80,16 @@ def to_hf(name: str) -> str:
     return out.replace(_GATE_BIAS[0], _GATE_BIAS[1]) if out.endswith(_GATE_BIAS[0]) else out
 
 
-def from_hf(name: str) -> str:
-    """Checkpoint name -> module path."""
+def from_hf(name: str, n_layers: int | None = None) -> str:
+    """Checkpoint name -> module path. With ``n_layers``, a block at or after it is an MTP module's
+    (``mtp.{j}.*``; its embed_tokens and shared_head.head copies name ``mtp.{j}.embed`` and ``head``)."""
+    if n_layers is not None and (layer := layer_of(name)) is not None and layer >= n_layers:
+        rest = name.removeprefix(f"model.layers.{layer}.")
+        for ours, hf in MTP_OWN + MTP_SHARED:
+            if rest == hf or rest.startswith(hf + "."):
+                return f"mtp.{layer - n_layers}.{ours}{rest[len(hf) :]}"
+        inner = from_hf(name).removeprefix(f"layers.{layer}.")
+        return f"mtp.{layer - n_layers}.block.{inner}"
     hf_top = next((t for t in _TOP_FROM_HF if name == t or name.startswith(t + ".")), None)
     if hf_top is None:
         return name

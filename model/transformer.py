@@ -16,6 +16,7 @@ from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
 from .moe import MLP, MoE
+from .mtp import MTP
 from .norm import RMSNorm
 from .rope import precompute_freqs_cis
 
@@ -119,9 +120,14 @@ class Transformer(nn.Module):
         args: ModelArgs,
         dtype: torch.dtype = torch.bfloat16,
         weight_dtype: torch.dtype = torch.bfloat16,
+        mtp: bool = False,
     ):
         super().__init__()
-        self.args = args
+        # ``mtp``: build the checkpoint's multi-token-prediction module (model.mtp, when the config has
+        # one); without it ``args`` says the model has none (n_mtp_layers 0), and mtp_skipped that the
+        # checkpoint did
+        self.mtp_skipped = bool(args.n_mtp_layers) and not mtp
+        self.args = args = args.replace(n_mtp_layers=0) if self.mtp_skipped else args
         self.dtype = dtype
         self.embed = Embedding(args.vocab_size, args.dim, weight_dtype)
         self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype) for i in range(args.n_layers)])
@@ -131,6 +137,9 @@ class Transformer(nn.Module):
         self.logits = nn.Module()
         self.logits.last = HookPoint("B V")  # logits of the last position, float32
         self.logits.all = HookPoint("B T V")  # every position's logits, when asked for
+        # the first MTP module (model.layers.{n_layers} in the checkpoint); run only when asked for or
+        # observed, so the default forward is the main model's alone
+        self.mtp = nn.ModuleList([MTP(args.n_layers, args, dtype, weight_dtype)] if args.n_mtp_layers else [])
 
     def new_cache(self) -> Cache:
         return Cache(len(self.layers))
@@ -141,7 +150,10 @@ class Transformer(nn.Module):
         start_pos: int = 0,
         cache: Cache | None = None,
         all_logits: bool = False,
-    ) -> torch.Tensor:
+        mtp: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``mtp``: also run the MTP module and return (logits, its draft logits) (:meth:`draft`);
+        it runs, without being returned, whenever a hook observes it (a trace of its sites)."""
         seqlen = tokens.size(1)
         end_pos = start_pos + seqlen
         if cache is None and start_pos:
@@ -157,5 +169,29 @@ class Transformer(nn.Module):
         if all_logits:
             logits = self.logits.all(self.head(h.float()))  # (B, T, V)
             self.logits.last(logits[:, -1])
-            return logits
-        return self.logits.last(self.head(h[:, -1].float()))  # (B, V)
+        else:
+            logits = self.logits.last(self.head(h[:, -1].float()))  # (B, V)
+        if self.mtp and (mtp or self.mtp[0].logits.observed):
+            drafts = self.draft(tokens, h, logits[:, -1] if all_logits else logits, start_pos, cache)
+            if mtp:
+                return logits, drafts
+        return logits
+
+    def draft(
+        self, tokens: torch.Tensor, h: torch.Tensor, last: torch.Tensor, start_pos: int, cache: Cache | None
+    ) -> torch.Tensor:
+        """The MTP module's logits (B, T', V) for the token after next, at positions q0..start_pos+T-1
+        with q0 = start_pos - 1 in a decode step (that position's entry waited for this pass's token)
+        and 0 in a prefill. ``h``: this pass's normalised states (B, T, D); ``last``: its last position's
+        logits. The last position's entry reads the greedy next token (the best of ``last``, as
+        tracing.sites.next_topk orders them): the next pass runs it again with the token chosen."""
+        greedy = last.topk(min(10, last.shape[-1]), dim=-1).indices[:, :1]  # (B, 1)
+        if start_pos:
+            if cache is None or cache.mtp_hidden is None:
+                raise ValueError(f"start_pos {start_pos}: the MTP module continues from a pass that ran it (the same Cache)")
+            hidden, following, first = torch.cat([cache.mtp_hidden, h], dim=1), torch.cat([tokens, greedy], dim=1), start_pos - 1
+        else:
+            hidden, following, first = h, torch.cat([tokens[:, 1:], greedy], dim=1), 0
+        if cache is not None:
+            cache.mtp_hidden = h[:, -1:]
+        return self.mtp[0](hidden, following, self.embed, self.head, first, None if cache is None else cache.mtp)

@@ -8,6 +8,7 @@ ROWS = (
     ("vocab_size", "vocabulary"),
     ("hidden_size", "d, residual stream width"),
     ("num_hidden_layers", "blocks (without the MTP module)"),
+    ("num_nextn_predict_layers", "MTP modules (multi-token prediction, stored after the blocks)"),
     ("first_k_dense_replace", "dense blocks first"),
     ("intermediate_size", "dense MLP hidden width"),
     ("num_attention_heads", "attention heads"),
@@ -92,6 +93,51 @@ python scripts/demo_atlas.py     # writes the held-out texts (scripts/demo_corpu
 
 The recall here is over every window of the held-out texts; measured above on 48 windows it is
 {", ".join(f"{x:.3f}" for x in measured_recall)}.
+
+"""
+
+
+def mtp_section(card: dict) -> str:
+    """The MTP module's recipe and acceptance (card.json's ``mtp``, scripts/train_demo_mtp.py), or ""."""
+    mtp = card.get("mtp")
+    if not mtp:
+        return ""
+    rec, gen, held = mtp.get("recipe", {}), mtp["generation"], mtp["heldout_teacher_forced"]
+    names = {"austen_heldout": "Austen, held out", "python_faq_heldout": "Python FAQ, held out"}
+    rows = ["| text | tokens | draft top-1 = token after next | the most frequent token's share |", "|---|---|---|---|"]
+    for key, got in held.items():
+        rows.append(f"| {names.get(key, key)} | {got['tokens']:,} | {got['draft_top1']:.3f} | {got['most_frequent_token']:.3f} |")
+    trained = (
+        f"trained for {rec['train_minutes']:.1f} minutes on 2 CPU cores ({rec['steps']:,} steps of {rec['batch']} windows of "
+        f"{rec['seq_len']} tokens, {rec['tokens_seen'] / 1e6:.1f}M tokens; final loss {rec['final_loss']:.2f} nats) by "
+        f"`{rec['command']}`"
+        if rec
+        else "trained by `python scripts/train_demo_mtp.py`"
+    )
+    return f"""## Multi-token prediction (MTP)
+
+The checkpoint carries one MTP module, as the real one does (`num_nextn_predict_layers` 1, stored as
+block {card["config"]["num_hidden_layers"]} in `model-mtp.safetensors`): the draft of the token after next,
+`head(norm(Block(eh_proj([enorm(e(token_{{t+1}})) ; hnorm(h_t)]))))` with h_t the main model's state after its
+final norm (docs/cli.md). It was added after the main model, every other weight unchanged: {trained}. The
+main model stayed frozen; the module's block started as a copy of the last block (its indexer kept
+as copied: the LM loss never trains an indexer), `eh_proj` at random; the router's bias moved by the
+same auxiliary-loss-free rule. FP8 e4m3 linears with ue8m0 scales, `eh_proj` in bfloat16, norms in
+float32; the embedding and head are the main model's (the real checkpoint's copies under the MTP
+layer are left out here). Its shard is {rec.get("shard_bytes", 0) / 2**20:.2f} MiB. Its training documents are the
+corpus as `scripts/demo_corpus.py` built it for that run (sha256 `{rec.get("corpus_sha256", "?")}`), tokenized
+by this tokenizer.
+
+Measured on text it never saw, teacher-forced (`model(tokens, mtp=True)`; chance: {mtp["chance"]:.5f}):
+
+{chr(10).join(rows)}
+
+In greedy generation ({gen["prompts"]} fixed prompts x {gen["tokens_each"]} tokens, `tracing.run` through the
+decode path): the draft equals the token the model then wrote **{gen["accepted"]} of {gen["drafts"]} times
+({gen["rate"]:.1%})**, the acceptance a speculative decoder with this draft would see (about
+{1 + gen["rate"]:.2f} tokens per main-model pass). Reproduce: `python scripts/train_demo_mtp.py --measure-only`,
+or one prompt: `python -m tracing run --checkpoint demo --prompt "It is a truth" --generate 48 --out g.safetensors`
+(the summary line prints the acceptance; the `steps` table has `mtp_draft` and `mtp_accepted`).
 
 """
 
@@ -306,7 +352,7 @@ held-out windows): next-token top-1 accuracy and cross-entropy sharpen block by 
 
 {chr(10).join(lens)}
 
-{atlas_section(main["recall_per_layer"])}## Corpus and licences
+{mtp_section(card)}{atlas_section(main["recall_per_layer"])}## Corpus and licences
 
 Both from Debian 12 (bookworm) main, fetched with `apt-get download` and unpacked with `dpkg-deb -x`
 (no installation, no root needed), prepared by `scripts/demo_corpus.py`:
@@ -369,5 +415,7 @@ trains a fixed number of steps instead, with the schedule following the step cou
 `tests/test_demo.py` loads this directory with `model.checkpoint.load_model`, checks that
 `config.json` is the configuration in this card (`card.json` and the table above), that the FP8
 weights and ue8m0 scales are there under the real names, that the directory is at most 20 MiB, and
-that `evaluate` on `heldout_sample.txt` gives {sample["bits_per_byte"]:.3f} bits per byte (bf16) within 2%.
+that `evaluate` on `heldout_sample.txt` gives {sample["bits_per_byte"]:.3f} bits per byte (bf16) within 2%{
+        "; `tests/model/test_mtp.py` that the MTP module's drafts are accepted far above chance" if card.get("mtp") else ""
+    }.
 """

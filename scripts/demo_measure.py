@@ -217,6 +217,8 @@ def write_card(out: Path, figures: dict, recipe: dict) -> None:
 
     config = json.loads((out / "config.json").read_text())
     card = {"config": config, "figures": figures, "recipe": recipe}
+    if (out / "card.json").exists() and "mtp" in (old := json.loads((out / "card.json").read_text())):
+        card["mtp"] = old["mtp"]  # the MTP module's figures (scripts/train_demo_mtp.py) stay
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     import demo_card
 

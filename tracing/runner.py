@@ -29,6 +29,8 @@ from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
 from .analyses.interventions import HookFunctions, Intervention, PassContext, PatchAt, from_spec, parse_positions
+from .analyses.mtp import acceptance
+from .analyses.mtp import note as mtp_note
 from .chat import encode_chat
 from .errors import InputError
 from .nonfinite import first_nonfinite, intervention_masks
@@ -424,6 +426,10 @@ def trace_tokens(
             "stopped": stopped or "length",
             **sampling.describe(),
         }
+        if "mtp.topk_indices" in values:  # the MTP module's drafts of the tokens it wrote
+            info["generation"]["mtp_acceptance"] = acceptance(ids, values["mtp.topk_indices"], n_prompt)
+    if (said := mtp_note(model)) is not None:
+        info["mtp"] = said
     if (bad := first_nonfinite(values, model.args, len(ids), intervention_masks(interventions))) is not None:
         info["nonfinite"] = bad.as_dict()
     if patches:
@@ -449,7 +455,7 @@ def trace_tokens(
 def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:
     ids: set[int] = set()
     for name, value in values.items():
-        if name.endswith(("logit_lens.topk_indices", "next.topk_indices", "expert_lens.ids")):
+        if name.endswith(("logit_lens.topk_indices", "next.topk_indices", "expert_lens.ids", "mtp.topk_indices")):
             ids.update(i for i in value.flatten().tolist() if i >= 0)
     if "logits.last" in values:
         ids.update(values["logits.last"].topk(min(top, values["logits.last"].numel())).indices.tolist())

@@ -30,13 +30,14 @@ class SiteSpec:
     legend: str  # shape letters (see dims); "B" is the batch dimension, dropped when recorded
     dtype: torch.dtype  # as recorded
     what: str  # one line for the docs
-    blocks: str = "all"  # "all" blocks, "moe" blocks only, or "model" (not per block)
+    blocks: str = "all"  # "all" blocks, "moe" blocks only, "model" (not per block), "mtp" (a model with an MTP module)
     default: bool = False  # recorded unless --record says otherwise
     derived_from: str | None = None  # computed while tracing from this hook point's value (same block)
     # how a derived site is computed: "derive" (its row's ``derive`` from derived_from's value, at that
     # hook point), "lens" (the final norm and head at each block's stream, when they run), "next" (every
     # position's next-token distribution, at the head), "attribution" (tracing.analyses.attribution,
-    # for one position and target) or "flow" (tracing.analyses.flow, the contribution graph): the
+    # for one position and target), "mtp" (the MTP module's draft at each position, tracing.tracer) or
+    # "flow" (tracing.analyses.flow, the contribution graph): the
     # analyses are computed by their module's hooks and named (or --attribute, 'flow'), never by 'all'
     computed: str = ""
     # "derive": f(value, read) -> the recorded value (batch dropped), or None where the site has none;
@@ -463,6 +464,43 @@ REGISTRY: tuple[SiteSpec, ...] = (
         patchable=False,
     ),
     SiteSpec(
+        "mtp.0.logits",
+        "B T V",
+        F32,
+        (
+            "the multi-token-prediction module's logits at each position t for token t+2: "
+            "`head(norm(Block(eh_proj([enorm(e(token_{t+1})) ; hnorm(h_t)]))))`, h_t the main model's state "
+            "after its final norm; at the last position token_{t+1} is the greedy next token (large: on request)"
+        ),
+        blocks="mtp",
+    ),
+    SiteSpec(
+        "mtp.topk_indices",
+        "T A",
+        I64,
+        (
+            "the MTP draft of the token after next at each position, 10 best first (a model with an MTP module; "
+            "in a generation the draft at step n reads the token just chosen)"
+        ),
+        blocks="mtp",
+        default=True,
+        derived_from="mtp.0.logits",
+        computed="mtp",
+        patchable=False,
+        values="tokens",
+    ),
+    SiteSpec(
+        "mtp.topk_probs",
+        "T A",
+        F32,
+        "their probabilities (softmax of the draft logits, temperature 1)",
+        blocks="mtp",
+        default=True,
+        derived_from="mtp.0.logits",
+        computed="mtp",
+        patchable=False,
+    ),
+    SiteSpec(
         "attribution.embed",
         "1",
         F32,
@@ -498,8 +536,13 @@ LOGIT_LENS = "layers.*.logit_lens.*"
 LOGIT_LENS_TOPK = 5
 NEXT_TOPK = 10  # alternatives recorded per position (next.topk_*)
 DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if row.default)
-_BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks != "model"}
+_BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks not in ("model", "mtp")}
 _TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
+_MTP = {row.pattern: row for row in REGISTRY if row.blocks == "mtp"}  # sites of a model with an MTP module
+MTP_MISSING = (
+    "this model has no multi-token-prediction module "
+    "(the checkpoint has none, or it is not loaded: --no-mtp, --stream and torchrun leave it out)"
+)
 
 
 def hook_points(model: torch.nn.Module) -> dict[str, HookPoint]:
@@ -534,7 +577,7 @@ def part_name(block: int, path: str) -> str:
 def spec(name: str) -> SiteSpec | None:
     """The registry row of a site name (any block), or None."""
     where = layer_site(name)
-    return _TOP.get(name) if where is None else _BY_SUFFIX.get(where[1])
+    return (_TOP.get(name) or _MTP.get(name)) if where is None else _BY_SUFFIX.get(where[1])
 
 
 @lru_cache(maxsize=1)
@@ -575,6 +618,8 @@ def site_legend(args: ModelArgs, name: str) -> Site | None:
     top, dense, moe = _templates()
     where = layer_site(name)
     if where is None:
+        if args.n_mtp_layers and name in _MTP:
+            return _MTP[name].legend, _MTP[name].dtype
         return None if name.startswith("layers.") else top.get(name)
     i, suffix = where
     if i >= args.n_layers:
@@ -586,6 +631,8 @@ def site_legend(args: ModelArgs, name: str) -> Site | None:
 def _site_shapes_cached(args: ModelArgs) -> dict[str, Site]:
     top, dense, moe = _templates()
     out = dict(top)
+    if args.n_mtp_layers:
+        out.update((row.pattern, (row.legend, row.dtype)) for row in _MTP.values())
     for i in range(args.n_layers):
         for suffix, site in (dense if i < args.n_dense_layers else moe).items():
             out[f"layers.{i}.{suffix}"] = site
@@ -673,6 +720,8 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             matched = [n for n in names if not analysis(n)]
         else:
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not matched and any(fnmatch.fnmatchcase(n, pattern) for n in _MTP):
+                raise InputError(f"--record pattern {pattern!r}: {MTP_MISSING}")
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.extend(m for m in matched if m not in chosen)

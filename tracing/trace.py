@@ -79,7 +79,13 @@ class Trace:
             "format": FORMAT,
             "version": VERSION,
             "config": json.dumps(
-                {**self.config.to_reference(), "gate_bias": self.config.has_gate_bias, "norm_eps": self.config.norm_eps}
+                {
+                    **self.config.to_reference(),
+                    "gate_bias": self.config.has_gate_bias,
+                    "norm_eps": self.config.norm_eps,
+                    # the MTP module's sites (mtp.*) are a model with one's: said only then
+                    **({"n_mtp_layers": self.config.n_mtp_layers} if self.config.n_mtp_layers else {}),
+                }
             ),
             "tokens": json.dumps(self.tokens, ensure_ascii=False),
             "prompt": self.prompt,

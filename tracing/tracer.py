@@ -87,6 +87,10 @@ class Tracer:
         self.token_ids: list[int] = []
         self._pending: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (next.token_prob, row, log-probs)
         self._seen: dict[str, torch.Tensor] = {}  # this pass's values that later hooks read
+        # the MTP draft by position (mtp.*): a decode pass runs the entry of the position before it
+        # again, with the token it feeds (the pass before drafted it from the greedy token)
+        self._mtp = [name for name in self.sites if name.startswith("mtp.")]
+        self._mtp_rows: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks: Hooks | None = None
 
     # context manager ---------------------------------------------------------------------
@@ -96,6 +100,7 @@ class Tracer:
         self._hooks = Hooks()
         self.values.clear()
         self._seen.clear()
+        self._mtp_rows.clear()
         try:
             self._register()
         except BaseException:
@@ -123,6 +128,9 @@ class Tracer:
         self._pending = None  # after the run's last position: the greedy token's probability stays
         steps = [*self._steps, self.values]
         out = self.values if len(steps) == 1 else self._concatenated(steps, n_positions)
+        if self._mtp and self._mtp_rows:
+            for name in self._mtp:
+                out[name] = torch.stack([self._mtp_rows[p][name] for p in range(n_positions)])
         for name, value in self._attributed.items():  # the sources read the keys of their pass: padded to all
             out[name] = _pad(value, 1, n_positions, spec(name).fill) if spec(name).suffix == "attn.attribution_src" else value
         return out
@@ -181,7 +189,7 @@ class Tracer:
                 derived.setdefault(site_name(layer, row.derived_from), []).append(name)
         self._lens = sorted(lens)
         keep.update(site_name(i, "resid_post") for i in self._lens)
-        wanted = set(self.sites)
+        wanted = set(self.sites) - set(self._mtp)  # the MTP's sites are kept by position (_mtp_draft)
         for name, point in points.items():
             if name in wanted or name in self.patches or name in replacers or name in derived or name in keep:
                 fn = self._hook(
@@ -191,6 +199,8 @@ class Tracer:
         if self.on_block is not None:
             for i, block in enumerate(self.model.layers):
                 hooks.before(block, lambda module, args, i=i: self.on_block(i))
+        if self._mtp:
+            hooks.after(self.model.mtp[0].logits, self._mtp_draft)
         self._next = [n for n in self.sites if n.startswith("next.")]
         if self._lens or self._next:
             hooks.after(self.model.norm, self._lens_norm)
@@ -212,6 +222,16 @@ class Tracer:
     def _record_attribution(self, values: dict[str, torch.Tensor]) -> None:
         self._attributed = {name: value for name, value in values.items() if name in self.sites}
         self.attribution_info = self._attributor.info
+
+    def _mtp_draft(self, module, inputs, output):
+        """mtp.*: the MTP module ran for positions max(start - 1, 0) onwards (model.Transformer.draft)."""
+        logits = output[0].float()  # (T', V)
+        indices, probs = next_topk(logits)
+        values = {"mtp.topk_indices": indices, "mtp.topk_probs": probs.float(), "mtp.0.logits": logits}
+        values = {name: values[name].cpu() for name in self._mtp}  # one copy each
+        first = max(self._start_pos - 1, 0)
+        for i in range(logits.shape[0]):
+            self._mtp_rows[first + i] = {name: value[i] for name, value in values.items()}
 
     def _lens_norm(self, module, inputs, output):
         self._seen["final_norm"] = output  # (B, T, D): what the head reads, at every position

@@ -88,6 +88,53 @@ def probability_figure(steps: pd.DataFrame, start: int | None) -> go.Figure:
     return position_figure(frame, series, title, {"title": {"text": "probability"}, "range": [0, 1]}, **layout)
 
 
+# --- the MTP module's drafts ----------------------------------------------------------------------------------
+def mtp_drafts(steps: pd.DataFrame, start: int) -> pd.DataFrame | None:
+    """Per generated token: the MTP module's draft of it (made the step before, from the token then
+    chosen), its probability, and whether the model then wrote it. None when the trace has no drafts."""
+    if "mtp_draft" not in steps:
+        return None
+    rows = steps[steps["position"] >= start]
+    return pd.DataFrame(
+        {
+            "position": rows["position"],
+            "written": [show_token(t, html_escape=False) for t in rows["token"]],
+            "draft": [show_token(t, html_escape=False) for t in rows["mtp_draft"]],
+            "draft_prob": rows["mtp_draft_prob"],
+            "accepted": rows["mtp_accepted"],
+            "verified": rows["position"] > start,  # drafted from a generated token: what a speculative decoder checks
+        }
+    )
+
+
+def mtp_summary(info: dict) -> str | None:
+    """One line on the drafts' acceptance (the generation record's mtp_acceptance), or None."""
+    got = info.get("mtp_acceptance")
+    if not got:
+        return None
+    if not got["drafts"]:
+        return "No draft to check: the MTP module's drafts are checked from the second generated token on."
+    return (
+        f"The MTP module's draft equalled the token the model then wrote {got['accepted']} of {got['drafts']} times "
+        f"({got['rate']:.0%}): a speculative decoder with this draft would write about {1 + got['rate']:.2f} tokens per pass."
+    )
+
+
+def mtp_figure(drafts: pd.DataFrame) -> go.Figure:
+    """Per generated token: the draft's probability, coloured by whether the model wrote it."""
+    accepted = drafts["accepted"].fillna(False).astype(bool)
+    bar = {
+        "type": "bar",
+        "x": [f"{p} {t}" for p, t in zip(drafts["position"], drafts["written"], strict=True)],
+        "y": drafts["draft_prob"],
+        "marker": {"color": [COLORS["attention"] if a else COLORS["marker"] for a in accepted]},
+        "customdata": drafts["draft"],
+        "hovertemplate": "%{x}<br>draft %{customdata!r}: p = %{y:.3f}<extra></extra>",
+    }
+    title = "The MTP draft of each written token, made one step before (blue: the model wrote it; red: it did not)"
+    return figure([bar], title, height=320, yaxis={"title": {"text": "draft probability"}, "range": [0, 1]})
+
+
 # --- one step -----------------------------------------------------------------------------------------------
 def alternatives(steps: pd.DataFrame, position: int) -> pd.DataFrame:
     """The ten most likely tokens of the distribution that chose ``position``'s token, the chosen one marked."""

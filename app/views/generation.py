@@ -59,6 +59,7 @@ def page() -> None:
             "Experts": lambda: _experts(view, steps),
             "Indexer picks": lambda: _indexer_picks(view, steps),
             "Logit lens": lambda: _logit_lens(view, steps),
+            "MTP drafts": lambda: _mtp(view, steps, info, start),
             "As the text grows": lambda: timeline(view),
             "Probabilities": lambda: widgets.memo_chart(view, "gen_probs", lambda: generation.probability_figure(steps, start)),
             "Every step": lambda: st.dataframe(steps, hide_index=True, width="stretch"),
@@ -125,6 +126,22 @@ def _logit_lens(view: View, steps: pd.DataFrame) -> None:
         return
     chosen = tokens.show_token(steps.iloc[query + 1]["token"], html_escape=False)
     widgets.memo_chart(view, "gen_lens", lambda: generation.lens_at_figure(lens, query, chosen), query)
+
+
+def _mtp(view: View, steps: pd.DataFrame, info: dict, start: int) -> None:
+    """The multi-token-prediction module's draft of each written token and whether the model wrote it."""
+    drafts = generation.mtp_drafts(steps, start)
+    if drafts is None:
+        note = view.trace.extra.get("mtp")
+        if note:
+            st.caption(f":material/info: {escape_md(note)}.")
+        else:
+            widgets.missing("No MTP drafts", ["mtp.topk_indices"])
+        return
+    if (line := generation.mtp_summary(info)) is not None:
+        st.caption(f":material/bolt: {escape_md(line)}")
+    widgets.memo_chart(view, "gen_mtp", lambda: generation.mtp_figure(drafts))
+    st.dataframe(drafts, hide_index=True, width="stretch")
 
 
 def timeline(view: View) -> None:

@@ -112,6 +112,24 @@ def test_greedy_generation_shows_the_text_and_each_step(app):
         assert any(f"Block {block}: indexer scores" in t for t in chart_titles(app)), block
 
 
+def test_the_mtp_tab_shows_each_draft_and_the_acceptance(app):
+    generate(app, 6)
+    trace = shown_entry(app).trace
+    at = open_tab(app, "generation_tab", "MTP drafts")
+    assert not at.exception, [e.value for e in at.exception]
+    if "mtp.topk_indices" not in trace:  # a checkpoint without the module says so
+        assert trace.extra["mtp"] in messages(at.caption)
+        return
+    got = trace.extra["generation"]["mtp_acceptance"]
+    assert f"{got['accepted']} of {got['drafts']} times" in messages(at.caption)
+    assert any("MTP draft of each written token" in t for t in chart_titles(at))
+    frame = at.dataframe[0].value
+    start = trace.extra["generation"]["start"]
+    assert list(frame["position"]) == list(range(start, trace.n_tokens))
+    steps = steps_table(trace)
+    assert list(frame["accepted"].fillna(False)) == list(steps["mtp_accepted"][start:].fillna(False))
+
+
 def test_every_page_works_on_a_generated_trace(app):
     generate(app, 4)
     for page in pages.PAGES:

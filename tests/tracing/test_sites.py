@@ -30,14 +30,14 @@ def test_every_hook_point_of_the_model_is_a_registry_row_with_its_legend():
 def test_derived_rows_name_what_they_are_computed_from_and_how():
     suffixes = {row.suffix for row in REGISTRY}  # model-level rows' patterns too
     for row in REGISTRY:
-        assert row.blocks in ("all", "moe", "model"), row.pattern
+        assert row.blocks in ("all", "moe", "model", "mtp"), row.pattern
         assert row.derived_from is None or row.derived_from in suffixes, row.pattern
         assert all(read in suffixes for read in row.reads), row.pattern
         assert not (row.derived_from and row.patchable), row.pattern
         # a derived row says how it is computed; a row computed by "derive" carries the function
         assert (row.derived_from is None) == (row.computed == ""), row.pattern
         assert (row.computed == "derive") == (row.derive is not None), row.pattern
-        assert row.computed in ("", "derive", "lens", "next", "attribution", "flow"), row.pattern
+        assert row.computed in ("", "derive", "lens", "next", "mtp", "attribution", "flow"), row.pattern
 
 
 def test_integer_rows_carry_their_index_range_and_padded_rows_their_fill():
@@ -51,6 +51,7 @@ def test_integer_rows_carry_their_index_range_and_padded_rows_their_fill():
         "layers.{i}.logit_lens.topk_indices": (0, TINY.vocab_size),
         "layers.{i}.ffn.expert_lens.ids": (-1, TINY.vocab_size),
         "next.topk_indices": (0, TINY.vocab_size),
+        "mtp.topk_indices": (0, TINY.vocab_size),
     }
     assert index_range(TINY, "layers.2.ffn.gate.topk_indices", 12) == (0, TINY.n_routed_experts)
     assert index_range(TINY, "layers.2.resid_pre", 12) is None

@@ -172,6 +172,8 @@ def said(trace: Trace, args: argparse.Namespace) -> str:
     if generation := trace.extra.get("generation"):
         start = generation["start"]
         line += f"; wrote {generation['generated']} ({generation['stopped']}): {''.join(trace.tokens[start:])!r}"
+        if (mtp := generation.get("mtp_acceptance")) and mtp["drafts"]:
+            line += f"; MTP drafts accepted {mtp['accepted']}/{mtp['drafts']} ({mtp['rate']:.0%})"
     elif not (top := next_token_table(trace, 1)).empty:
         line += f"; next token {top['token'].iloc[0]!r} (p={top['probability'].iloc[0]:.3f})"
     return line + f"; {args.out}" + (f", tables in {args.csv}" if args.csv else "")

@@ -38,6 +38,11 @@ def add_device_options(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
     parser.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="leave the checkpoint's multi-token-prediction module unloaded (one MoE block less memory; no mtp.* sites)",
+    )
+    parser.add_argument(
         "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
     )
 
@@ -60,7 +65,8 @@ def open_from_args(args, device, dtype, progress=None, split: bool = True, group
         return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split, group)
     if args.n_layers is not None:
         raise InputError("--n-layers applies to --synthetic only")
-    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split, group)
+    mtp = False if getattr(args, "no_mtp", False) else None
+    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split, group, mtp=mtp)
 
 
 def parse_device(name: str) -> torch.device:
@@ -132,11 +138,13 @@ def open_source(
     progress=None,
     split: bool = True,
     group=None,
+    mtp: bool | None = None,
 ) -> Loaded:
     """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
     over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel
     over ``group``, default every rank; without it every rank holds the whole model, for data
-    parallel work)."""
+    parallel work). ``mtp``: the checkpoint's MTP module (None: loaded when it has one, in one
+    process; streaming and the ranks leave it out)."""
     from model import parallel
     from model.stream import should_stream
 
@@ -153,7 +161,7 @@ def open_source(
     if dist is not None and split:
         model, plan = parallel.load_parallel(source, device, dtype, group)
         return Loaded(model, tokenizer, source, label, device, False, plan)
-    return Loaded(load_model(source, device, dtype), tokenizer, source, label, device)
+    return Loaded(load_model(source, device, dtype, mtp=mtp), tokenizer, source, label, device)
 
 
 def open_checkpoint(
@@ -164,12 +172,13 @@ def open_checkpoint(
     progress=None,
     split: bool = True,
     group=None,
+    mtp: bool | None = None,
 ) -> Loaded:
     directory = resolve_checkpoint(path)
     source = SafetensorsSource(directory)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     label = "demo" if directory == DEMO else str(directory)
-    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group)
+    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group, mtp)
 
 
 def open_synthetic(

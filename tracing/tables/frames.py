@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..analyses.mtp import drafted
 from ..sites import part_name
 from ..trace import Trace
 from .grid import index_grid
@@ -64,6 +65,16 @@ def steps_table(trace: Trace) -> pd.DataFrame:
         p[1:] = probs[:-1, rank]
         frame[f"alt{rank + 1}"] = np.asarray(["" if i < 0 else name for i, name in zip(ids, _names(trace, ids), strict=True)])
         frame[f"alt{rank + 1}_prob"] = p
+    if "mtp.topk_indices" in trace:  # the MTP module's draft of this token, made at the position two before
+        probs = trace["mtp.topk_probs"].numpy() if "mtp.topk_probs" in trace else None
+        ids, p = drafted(trace["mtp.topk_indices"].numpy(), probs)
+        frame["mtp_draft"] = np.asarray(["" if i < 0 else name for i, name in zip(ids, _names(trace, ids), strict=True)])
+        frame["mtp_draft_id"] = ids
+        frame["mtp_draft_prob"] = p
+        chosen = np.asarray(trace.token_ids)
+        frame["mtp_accepted"] = pd.array(
+            [None if i < 0 else bool(i == t) for i, t in zip(ids, chosen, strict=True)], dtype="boolean"
+        )
     return pd.DataFrame(frame)
 
 
