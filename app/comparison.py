@@ -141,7 +141,7 @@ def summary_metrics(info: dict, tables: dict, n_layers: int, move: interventions
         help="KL(baseline ‖ intervened) of the next-token distribution after the last position",
     )
     cols = st.columns(3)
-    first = info.get("first_layer_changed")
+    first = info.get("first_block_changed")
     cols[0].metric(
         "First block that changed",
         "none" if first is None else f"block {first}",
@@ -157,7 +157,7 @@ def summary_metrics(info: dict, tables: dict, n_layers: int, move: interventions
                 f"{int(frame['changed'].sum())} of {len(frame)}",
                 help="(block, position) pairs whose selected set differs between the runs",
             )
-    drift = info.get("max_rel_l2_per_layer")
+    drift = info.get("max_rel_l2_per_block")
     if drift:
         st.caption(
             f"Largest relative L2 drift of the stream per block: {', '.join(f'{v:.3g}' for v in drift)} "

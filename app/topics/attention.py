@@ -67,8 +67,8 @@ def recall_grid(frame: pd.DataFrame | None, n_tokens: int) -> tuple[list[int], n
     """From tables()['indexer_recall']: layers and recall [L, T]."""
     if frame is None or frame.empty:
         return None
-    layers = sorted(frame["layer"].unique().tolist())
-    return layers, frame.pivot(index="layer", columns="query", values="recall").loc[layers].to_numpy()
+    layers = sorted(frame["block"].unique().tolist())
+    return layers, frame.pivot(index="block", columns="query", values="recall").loc[layers].to_numpy()
 
 
 def query_profile(trace: Trace, block: int, query: int) -> pd.DataFrame | None:
@@ -248,4 +248,4 @@ def indexer_quality(table: pd.DataFrame, index_topk: int) -> pd.DataFrame | None
     if pruned.empty:
         return None
     columns = [c for c in ("recall", "kl", "overlap_prev") if c in pruned]
-    return pruned.groupby("layer")[columns].mean().reset_index().rename(columns={"layer": "block"})
+    return pruned.groupby("block")[columns].mean().reset_index()

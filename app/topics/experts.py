@@ -54,10 +54,10 @@ def load_grid(frame: pd.DataFrame | None) -> tuple[list[int], np.ndarray, np.nda
     """From tables()['expert_load']: MoE blocks, tokens per expert [L, E], mean weight [L, E]."""
     if frame is None or frame.empty:
         return None
-    layers = sorted(frame["layer"].unique().tolist())
-    counts = frame.pivot(index="layer", columns="expert", values="tokens").loc[layers].to_numpy()
+    layers = sorted(frame["block"].unique().tolist())
+    counts = frame.pivot(index="block", columns="expert", values="count").loc[layers].to_numpy()
     weights = (
-        frame.pivot(index="layer", columns="expert", values="mean_weight").loc[layers].to_numpy()
+        frame.pivot(index="block", columns="expert", values="mean_weight").loc[layers].to_numpy()
         if "mean_weight" in frame
         else None
     )

@@ -39,9 +39,9 @@ def drift(stream: pd.DataFrame | None, n_tokens: int) -> Drift | None:
     previous block's output (the same values) is not."""
     if stream is None or stream.empty:
         return None
-    have = set(zip(stream["layer"], stream["site"], strict=True))
+    have = set(zip(stream["block"], stream["site"], strict=True))
     rows, rel, cos = [], [], []
-    for (layer, site), part in stream.groupby(["layer", "site"], sort=False):
+    for (layer, site), part in stream.groupby(["block", "site"], sort=False):
         if site == "resid_pre" and (layer - 1, "resid_post") in have:
             continue
         part = part.sort_values("position")
@@ -59,15 +59,15 @@ def changes_per_block(tables: dict[str, pd.DataFrame], n_layers: int) -> pd.Data
     """Per block: the largest and mean relative L2 drift of its output over positions, and at how many
     positions its experts, its indexer keys and its logit-lens top-1 changed (NaN where the trace has
     none, as for the dense blocks' experts)."""
-    out = pd.DataFrame({"layer": np.arange(n_layers)}).set_index("layer")
+    out = pd.DataFrame({"block": np.arange(n_layers)}).set_index("block")
     stream = tables.get("stream")
     if stream is not None:
-        post = stream[stream["site"] == "resid_post"].groupby("layer")["rel_l2"]
+        post = stream[stream["site"] == "resid_post"].groupby("block")["rel_l2"]
         out["max_rel_l2"], out["mean_rel_l2"] = post.max(), post.mean()
     for name, column in (("experts", "experts_changed"), ("indexer_keys", "keys_changed"), ("predictions", "top1_changed")):
         frame = tables.get(name)
         if frame is not None:
-            out[column] = frame.groupby("layer")["changed"].sum()
+            out[column] = frame.groupby("block")["changed"].sum()
     return out.reset_index()
 
 
@@ -83,8 +83,8 @@ def lens_changes(predictions: pd.DataFrame | None, n_tokens: int) -> LensChange 
     """From diff_tables()['predictions']: where the logit lens's top-1 token changed, and to what."""
     if predictions is None or predictions.empty:
         return None
-    layers = sorted(predictions["layer"].unique().tolist())
-    frame = predictions.sort_values(["layer", "position"])
+    layers = sorted(predictions["block"].unique().tolist())
+    frame = predictions.sort_values(["block", "position"])
     if len(frame) != len(layers) * n_tokens:
         return None
     shape = (len(layers), n_tokens)
@@ -257,7 +257,7 @@ def drift_figure(d: Drift, labels: list[str]) -> go.Figure:
 def block_changes_figure(frame: pd.DataFrame, n_tokens: int) -> go.Figure:
     """Per block: positions whose experts, indexer keys or logit-lens top-1 changed (bars), and the
     largest drift of the block's output (line, right axis)."""
-    x = [f"block {i}" for i in frame["layer"]]
+    x = [f"block {i}" for i in frame["block"]]
     traces: list[dict] = []
     for column, name, color in (
         ("experts_changed", "experts", COLORS["moe"]),

@@ -28,7 +28,7 @@ def logit_lens(trace: Trace) -> Lens | None:
     frame = logit_lens_table(trace)
     if frame.empty:
         return None
-    layers = sorted(frame["layer"].unique().tolist())
+    layers = sorted(frame["block"].unique().tolist())
     n, top = trace.n_tokens, int(frame["rank"].max()) + 1
     names = np.asarray([show_token(t) for t in frame["predicted"]], dtype=object).reshape(len(layers), n, top)
     probs = (

@@ -82,12 +82,12 @@ def residual_grids(frame: pd.DataFrame, n_tokens: int) -> ResidualGrids | None:
     """From tables()['residual']: norms, cosines and update sizes as layer × position grids."""
     if frame is None or frame.empty:
         return None
-    layers = sorted(frame["layer"].unique().tolist())
+    layers = sorted(frame["block"].unique().tolist())
 
     def grid(column: str) -> np.ndarray:
         if column not in frame:
             return np.full((len(layers), n_tokens), np.nan)
-        return frame.pivot(index="layer", columns="position", values=column).loc[layers].to_numpy()
+        return frame.pivot(index="block", columns="position", values=column).loc[layers].to_numpy()
 
     post = grid("norm_post")
     first = grid("norm_pre")[:1] if "norm_pre" in frame else np.full((1, n_tokens), np.nan)

@@ -251,9 +251,9 @@ def bias_figure(effect: BiasEffect, per_group: int) -> go.Figure:
 # --- margins ---------------------------------------------------------------------------------------------------
 def margins(table: pd.DataFrame, block: int) -> pd.DataFrame | None:
     """The block's routing margin per position (tracing.tables.frames.margins_table), or None."""
-    if table.empty or block not in set(table["layer"]):
+    if table.empty or block not in set(table["block"]):
         return None
-    return table[table["layer"] == block].reset_index(drop=True)
+    return table[table["block"] == block].reset_index(drop=True)
 
 
 def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: float) -> go.Figure:

@@ -212,7 +212,7 @@ def test_export_offers_every_table_with_its_csv_header(app):
         header = to_csv_bytes(frame).decode("utf-8").split("\r\n", 1)[0]
         assert header in shown, name
     router = to_csv_bytes(tables["router"]).decode("utf-8").split("\r\n", 1)[0]
-    assert router == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
+    assert router == "block,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
     assert to_csv_bytes(tables["tokens"]).decode("utf-8").startswith("position,token_id,token,phase,generated\r\n0,")
     labels = [b.label for b in app.get("download_button")]
     assert labels.count("CSV") == len(tables) and labels.count("Parquet") == len(tables)

@@ -133,7 +133,7 @@ def test_trace_a_prompt_in_the_browser(server):
         path = download.value.path()
         text = Path(path).read_bytes().decode("utf-8")
         header = text.split("\r\n", 1)[0]
-        assert header == "layer,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
+        assert header == "block,position,token,expert,group,score,biased_score,group_chosen,selected,rank,weight"
         assert download.value.suggested_filename.endswith("-router.csv")
 
 

@@ -60,4 +60,4 @@ def test_the_margin_is_positive_and_matches_the_biased_scores(tiny_model):
     table = trace.tables()["margins"]
     assert len(table) == len(IDS) * (TINY.n_layers - TINY.n_dense_layers) and "near_tie" in table
     recall = trace.tables()["indexer_recall"]
-    assert {"kl", "overlap_prev"} <= set(recall) and recall.loc[recall["layer"] == 0, "overlap_prev"].isna().all()
+    assert {"kl", "overlap_prev"} <= set(recall) and recall.loc[recall["block"] == 0, "overlap_prev"].isna().all()

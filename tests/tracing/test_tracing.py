@@ -213,14 +213,14 @@ def test_tables_are_tidy_and_consistent(trace):
     t = tables(trace)
     router = t["router"]
     assert len(router) == 2 * len(IDS) * TINY.n_routed_experts
-    assert (router.groupby(["layer", "position"])["selected"].sum() == TINY.n_activated_experts).all()
-    assert router.loc[router.selected, "weight"].groupby([router.layer, router.position]).sum().round(5).eq(2.5).all()
+    assert (router.groupby(["block", "position"])["selected"].sum() == TINY.n_activated_experts).all()
+    assert router.loc[router.selected, "weight"].groupby([router.block, router.position]).sum().round(5).eq(2.5).all()
     assert set(router.loc[router.selected, "group_chosen"]) == {True}
     load = t["expert_load"]
-    assert (load.groupby("layer")["tokens"].sum() == len(IDS) * TINY.n_activated_experts).all()
+    assert (load.groupby("block")["count"].sum() == len(IDS) * TINY.n_activated_experts).all()
     idx = t["indexer"]
     assert len(idx) == TINY.n_layers * len(IDS) * (len(IDS) + 1) // 2  # visible pairs only
-    assert (idx.groupby(["layer", "query"])["selected"].sum().values == [min(q + 1, 8) for q in range(len(IDS))] * 3).all()
+    assert (idx.groupby(["block", "query"])["selected"].sum().values == [min(q + 1, 8) for q in range(len(IDS))] * 3).all()
     recall = t["indexer_recall"]
     assert recall.recall.between(0, 1 + 1e-6).all() and (recall.loc[recall["query"] < 8, "recall"] > 0.999).all()
     lens = t["logit_lens"]
@@ -237,7 +237,7 @@ def test_csv_neutralises_formulas_and_keeps_numbers(tmp_path, trace):
     numbers = csv_safe(pd.DataFrame({"x": [-1.5, 2.0]}))
     assert numbers.x.tolist() == [-1.5, 2.0]
     written = export(risky, tmp_path / "csv", parquet=True)
-    assert (tmp_path / "csv" / "router.csv").read_text(encoding="utf-8").startswith("layer,position,token,expert,group,score")
+    assert (tmp_path / "csv" / "router.csv").read_text(encoding="utf-8").startswith("block,position,token,expert,group,score")
     assert (tmp_path / "csv" / "router.parquet") in written
 
 

@@ -60,7 +60,7 @@ def stream_diff(a: Trace, b: Trace) -> pd.DataFrame:
             x, y = x[ia].double(), y[ib].double()
             rel = (x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
             cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
-            columns = {"layer": i, "site": site, "position": where["position"], "token": where["token"]}
+            columns = {"block": i, "site": site, "position": where["position"], "token": where["token"]}
             extra = {"token_b": where["token_b"], "same_token": where["same_token"]}
             frames.append(pd.DataFrame({**columns, "rel_l2": rel.numpy(), "cosine": cos.numpy(), **extra}))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -78,7 +78,7 @@ def _selection_diff(a: Trace, b: Trace, suffix: str, what: str) -> pd.DataFrame:
         frames.append(
             pd.DataFrame(
                 {
-                    "layer": i,
+                    "block": i,
                     "position": where["position"],
                     "token": where["token"],
                     f"{what}_a": [" ".join(map(str, sorted(s))) for s in sa],
@@ -105,7 +105,7 @@ def predictions_diff(a: Trace, b: Trace) -> pd.DataFrame:
             continue
         top_a, top_b = ids_a[ia, 0].numpy(), ids_b[ib, 0].numpy()
         frame = {
-            "layer": i,
+            "block": i,
             "position": where["position"],
             "token": where["token"],
             "top1_a": _names(a, top_a),
@@ -166,12 +166,12 @@ def summary(a: Trace, b: Trace, tables: dict[str, pd.DataFrame] | None = None) -
             out["compared"] = f"the last positions only (the prompts have {a.n_tokens} and {b.n_tokens} tokens)"
     stream = tables.get("stream")
     if stream is not None:
-        by_layer = stream.groupby("layer")["rel_l2"]
-        per = by_layer.max()
-        undefined = by_layer.apply(lambda v: bool(v.isna().any()))  # a NaN drift leaves the maximum unknown
-        out["max_rel_l2_per_layer"] = [None if u else _figure(v, 6) for v, u in zip(per.values, undefined.values, strict=True)]
+        by_block = stream.groupby("block")["rel_l2"]
+        per = by_block.max()
+        undefined = by_block.apply(lambda v: bool(v.isna().any()))  # a NaN drift leaves the maximum unknown
+        out["max_rel_l2_per_block"] = [None if u else _figure(v, 6) for v, u in zip(per.values, undefined.values, strict=True)]
         moved = per[per > 0]
-        out["first_layer_changed"] = int(moved.index[0]) if len(moved) else None
+        out["first_block_changed"] = int(moved.index[0]) if len(moved) else None
     for name in ("experts", "indexer_keys"):
         frame = tables.get(name)
         if frame is not None:

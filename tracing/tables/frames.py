@@ -89,7 +89,7 @@ def residual_table(trace: Trace) -> pd.DataFrame:
         pre = trace.site(i, "resid_pre")
         mid = trace.site(i, "resid_mid")
         base = prev if prev is not None else (pre.double() if pre is not None else None)
-        row = {"layer": i, "position": pos, "token": tok, "norm_post": post.norm(dim=-1).numpy()}
+        row = {"block": i, "position": pos, "token": tok, "norm_post": post.norm(dim=-1).numpy()}
         if pre is not None:
             row["norm_pre"] = pre.double().norm(dim=-1).numpy()
         if mid is not None:
@@ -121,7 +121,7 @@ def router_table(trace: Trace) -> pd.DataFrame:
         t, x, rank = _router_rows(idx, e, scored)
         w = trace.site(i, "ffn.gate.topk_weights")
         weight = np.zeros(len(t), dtype=np.float32) if w is None else np.where(rank >= 0, w.numpy()[t, rank.clip(0)], 0)
-        data = {"layer": i, "position": t, "token": tok[t], "expert": x, "group": x // per_group}
+        data = {"block": i, "position": t, "token": tok[t], "expert": x, "group": x // per_group}
         for column, value in scores.items():
             if value is not None:
                 data[column] = value.numpy()[t, x]
@@ -156,10 +156,10 @@ def expert_load_table(trace: Trace) -> pd.DataFrame:
         idx = trace.site(i, "ffn.gate.topk_indices").numpy().ravel()
         counts = np.bincount(idx, minlength=cfg.n_routed_experts)
         data = {
-            "layer": i,
+            "block": i,
             "expert": np.arange(cfg.n_routed_experts),
             "group": np.arange(cfg.n_routed_experts) // per_group,
-            "tokens": counts,
+            "count": counts,
             "share": counts / max(len(idx), 1),
         }
         if trace.site(i, "ffn.gate.topk_weights") is not None:
@@ -182,7 +182,7 @@ def groups_table(trace: Trace) -> pd.DataFrame:
         frames.append(
             pd.DataFrame(
                 {
-                    "layer": i,
+                    "block": i,
                     "position": np.repeat(pos, g),
                     "token": np.repeat(tok, g),
                     "group": np.tile(np.arange(g), n),
@@ -206,7 +206,7 @@ def indexer_table(trace: Trace) -> pd.DataFrame:
     frames = []
     for i in blocks:
         data = {
-            "layer": i,
+            "block": i,
             "query": q,
             "query_token": tok[q],
             "key": k,
@@ -231,7 +231,7 @@ def recall_table(trace: Trace) -> pd.DataFrame:
     pos, tok = _positions(trace)
     frames = []
     for i in trace.layers_with("attn.indexer.recall"):
-        frame = pd.DataFrame({"layer": i, "query": pos, "token": tok, "recall": trace.site(i, "attn.indexer.recall").numpy()})
+        frame = pd.DataFrame({"block": i, "query": pos, "token": tok, "recall": trace.site(i, "attn.indexer.recall").numpy()})
         for column, suffix in (("kl", "attn.indexer.kl"), ("overlap_prev", "attn.indexer.overlap_prev")):
             if trace.layers_with(suffix):
                 value = trace.site(i, suffix)
@@ -248,7 +248,7 @@ def margins_table(trace: Trace) -> pd.DataFrame:
     best unchosen one's inside the chosen groups) and whether it is a near-tie (below NEAR_TIE)."""
     pos, tok = _positions(trace)
     frames = [
-        pd.DataFrame({"layer": i, "position": pos, "token": tok, "margin": trace.site(i, "ffn.gate.margin").numpy()})
+        pd.DataFrame({"block": i, "position": pos, "token": tok, "margin": trace.site(i, "ffn.gate.margin").numpy()})
         for i in trace.layers_with("ffn.gate.margin")
     ]
     if not frames:
@@ -272,7 +272,7 @@ def logit_lens_table(trace: Trace) -> pd.DataFrame:
         ids = trace.site(i, "logit_lens.topk_indices").numpy()  # (T, L)
         n, top = ids.shape
         data = {
-            "layer": i,
+            "block": i,
             "position": np.repeat(pos, top),
             "token": np.repeat(tok, top),
             "rank": np.tile(np.arange(top), n),

@@ -92,14 +92,14 @@ def test_diff_of_a_trace_with_itself_is_all_zero(base):
     assert not tables["experts"].changed.any() and not tables["indexer_keys"].changed.any()
     assert not tables["predictions"].changed.any()
     s = summary(base, base, tables)
-    assert s["first_layer_changed"] is None and s["next_token_kl"] == 0 and s["experts_changed"] == 0
+    assert s["first_block_changed"] is None and s["next_token_kl"] == 0 and s["experts_changed"] == 0
 
 
 def test_diff_locates_an_ablation(tiny_model, base):
     busiest = int(torch.bincount(base["layers.2.ffn.gate.topk_indices"].flatten()).argmax())
     run = trace_tokens(tiny_model, IDS, interventions=[AblateExperts({2: (busiest,)})])
     s = summary(base, run)
-    assert s["first_layer_changed"] == 2 and s["experts_changed"] > 0 and s["indexer_keys_changed"] == 0
+    assert s["first_block_changed"] == 2 and s["experts_changed"] > 0 and s["indexer_keys_changed"] == 0
 
 
 def test_bad_interventions_are_input_errors(tiny_model):
@@ -139,8 +139,8 @@ def test_cli_patch_interventions_and_diff(capsys, tiny_checkpoint, tmp_path, bas
     capsys.readouterr()
     assert main(["diff", str(a), str(b), "--csv", str(tmp_path / "d")]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["first_layer_changed"] == 1 and out["max_rel_l2_per_layer"][0] == 0
-    assert (tmp_path / "d" / "stream.csv").read_text().startswith("layer,site,position,token,rel_l2,cosine")
+    assert out["first_block_changed"] == 1 and out["max_rel_l2_per_block"][0] == 0
+    assert (tmp_path / "d" / "stream.csv").read_text().startswith("block,site,position,token,rel_l2,cosine")
     assert (
         main(["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", "1,2", "--out", str(tmp_path / "c.safetensors")]) == 0
     )

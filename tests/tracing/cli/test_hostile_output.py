@@ -191,6 +191,6 @@ def test_diff_of_traces_with_nan_prints_valid_json(capsys, saved, tmp_path):
     code, out, err = run(capsys, "diff", saved, nan)
     assert code == 0, err
     summary = _strict(out)
-    per_layer = summary["max_rel_l2_per_layer"]
+    per_layer = summary["max_rel_l2_per_block"]
     assert per_layer[1] is None and all(isinstance(v, float) for i, v in enumerate(per_layer) if i != 1)
     assert summary["next_token_kl"] is None
