@@ -32,7 +32,7 @@ from torch import nn
 
 from .config import ConfigError, ModelArgs
 from .files import CONFIG_BYTES, INDEX_BYTES, FileError, confined, read_json
-from .names import MTP_SHARED, STORED_BF16, from_hf, layer_of, to_hf
+from .names import MTP_SHARED, STORED_BF16, STORED_BF16_V3, from_hf, layer_of, to_hf
 from .transformer import Transformer
 
 if TYPE_CHECKING:
@@ -388,7 +388,7 @@ def expected_specs(args: ModelArgs, mtp: bool = False) -> dict[str, TensorSpec]:
     with torch.device("meta"):
         model = Transformer(args, mtp=mtp)
     specs = {
-        to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype))
+        to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype, args.has_indexer))
         for name, p in model.named_parameters()
     }
     for name in mtp_copies(model):
@@ -402,9 +402,11 @@ def mtp_copies(model: nn.Module) -> list[str]:
     return [f"mtp.{j}.{ours}" for j in range(len(getattr(model, "mtp", ()))) for ours, _ in MTP_SHARED]
 
 
-def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The checkpoint dtype of the parameter ``name`` (module path) held in ``dtype``."""
-    return torch.bfloat16 if name.endswith(STORED_BF16) and dtype == torch.float32 else dtype
+def stored_dtype(name: str, dtype: torch.dtype, indexer: bool = True) -> torch.dtype:
+    """The checkpoint dtype of the parameter ``name`` (module path) held in ``dtype``, in the V3.2
+    layout or, without the ``indexer``, V3's."""
+    wider = STORED_BF16 if indexer else STORED_BF16_V3
+    return torch.bfloat16 if name.endswith(wider) and dtype == torch.float32 else dtype
 
 
 def check_tensor(name: str, found: TensorSpec, want: TensorSpec, where: str) -> None:

@@ -17,7 +17,10 @@ from .files import FileError, read_json
 
 
 class ConfigError(ValueError):
-    """A configuration file that cannot describe a DeepSeek-V3.2 model."""
+    """A configuration file that cannot describe a DeepSeek-V3 or V3.2 model."""
+
+
+INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_topk")  # a config with none of them has no indexer
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ class ModelArgs:
     beta_fast: int = 32
     beta_slow: int = 1
     mscale: float = 1.0
-    # lightning indexer (DeepSeek Sparse Attention)
+    # lightning indexer (DeepSeek Sparse Attention); ``indexer`` False is the parent architecture
+    # (DeepSeek-V3, R1, V3.1: model_type deepseek_v3, no index_* keys), whose index_* values are unused
+    indexer: bool = True
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 2048
@@ -73,6 +78,10 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", self.eos_token_id))
+        if self.indexer is False:  # unused: the defaults, so that two configs without an indexer compare equal
+            for f in dataclasses.fields(self):
+                if f.name in INDEX_KEYS:
+                    object.__setattr__(self, f.name, f.default)
         wrong = _wrong_types(self)
         if wrong:  # the range checks below would fail on them with a TypeError
             raise ConfigError("; ".join(wrong))
@@ -81,16 +90,18 @@ class ModelArgs:
             raise ConfigError("; ".join(too_large))
         problems = []
         if self.q_lora_rank <= 0:
-            problems.append("q_lora_rank must be positive (the indexer reads the query latent)")
+            problems.append("q_lora_rank must be positive (the query latent; a single wq is not supported)")
         if self.n_routed_experts % max(self.n_expert_groups, 1):
             problems.append("n_routed_experts must be a multiple of n_expert_groups")
         if not 0 < self.n_limited_groups <= self.n_expert_groups:
             problems.append("n_limited_groups must be between 1 and n_expert_groups")
         if self.n_activated_experts > self.n_routed_experts:
             problems.append("n_activated_experts exceeds n_routed_experts")
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
-            problems.append("qk_rope_head_dim must be even and at most index_head_dim")
-        if self.index_head_dim & (self.index_head_dim - 1):
+        if self.qk_rope_head_dim % 2:
+            problems.append("qk_rope_head_dim must be even")
+        if self.indexer and self.qk_rope_head_dim > self.index_head_dim:
+            problems.append("qk_rope_head_dim must be at most index_head_dim")
+        if self.indexer and self.index_head_dim & (self.index_head_dim - 1):
             problems.append("index_head_dim must be a power of two (Hadamard rotation)")
         if self.score_func not in ("softmax", "sigmoid"):
             problems.append(f"score_func must be softmax or sigmoid, not {self.score_func!r}")
@@ -99,6 +110,8 @@ class ModelArgs:
         if self.scale_fmt not in (None, "ue8m0"):
             problems.append(f"scale_fmt must be ue8m0 or absent, not {self.scale_fmt!r}")
         for name in _POSITIVE:
+            if name in INDEX_KEYS and not self.indexer:
+                continue
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
         if self.bos_token_id is not None and self.bos_token_id < 0:
@@ -145,6 +158,12 @@ class ModelArgs:
         return scale
 
     @property
+    def has_indexer(self) -> bool:
+        """Whether the blocks have the lightning indexer (V3.2). Without it the model is DeepSeek-V3's
+        architecture, computed as V3's reference computes it (docs/numerics.md)."""
+        return self.indexer
+
+    @property
     def has_gate_bias(self) -> bool:
         return bool(self.gate_bias) if self.gate_bias is not None else self.score_func == "sigmoid"
 
@@ -165,11 +184,13 @@ class ModelArgs:
     # JSON forms ---------------------------------------------------------------------------
     @classmethod
     def from_reference(cls, data: dict[str, Any]) -> ModelArgs:
-        """The reference's own JSON (``inference/config_671B_v3.2.json``)."""
+        """The reference's own JSON (``inference/config_671B_v3.2.json``, or V3's ``config_671B.json``,
+        which has no index_* keys: no indexer)."""
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a JSON object, not {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "indexer"}
         args = {k: v for k, v in data.items() if k in known}
+        args["indexer"] = any(k in data for k in INDEX_KEYS)
         extra = {k: v for k, v in data.items() if k not in known}
         if "max_batch_size" in extra:
             extra.pop("max_batch_size")
@@ -177,14 +198,16 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> ModelArgs:
-        """A Hugging Face ``config.json`` of model_type ``deepseek_v32``.
+        """A Hugging Face ``config.json`` of model_type ``deepseek_v32`` (with the indexer's index_*
+        keys) or ``deepseek_v3`` (DeepSeek-V3, R1, V3.1: none, no indexer).
 
         Messages do not name the file: :meth:`from_file` prefixes its path once."""
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a JSON object, not {type(data).__name__}")
         model_type = data.get("model_type")
         if model_type not in ("deepseek_v32", "deepseek_v3"):
-            raise ConfigError(f"model_type is {model_type!r}, expected 'deepseek_v32'")
+            raise ConfigError(f"model_type is {model_type!r}, expected 'deepseek_v32' or 'deepseek_v3'")
+        indexer = model_type == "deepseek_v32" or any(k in data for k in INDEX_KEYS)
 
         def need(key: str) -> Any:
             if key not in data:
@@ -228,9 +251,8 @@ class ModelArgs:
             v_head_dim=need("v_head_dim"),
             max_seq_len=max_pos,
             rope_theta=data.get("rope_theta", 10000.0),
-            index_n_heads=need("index_n_heads"),
-            index_head_dim=need("index_head_dim"),
-            index_topk=need("index_topk"),
+            indexer=indexer,
+            **({key: need(key) for key in INDEX_KEYS} if indexer else {}),
             dtype="fp8" if quant else "bf16",
             scale_fmt=quant.get("scale_fmt") if quant else None,
             n_mtp_layers=data.get("num_nextn_predict_layers", 0),
@@ -280,14 +302,16 @@ class ModelArgs:
     def to_reference(self) -> dict[str, Any]:
         """The reference's JSON form: exactly the fields of its ``ModelArgs`` (``ModelArgs(**this)``
         works there). It has no ``norm_eps``: its RMSNorms hard-code 1e-6."""
-        skip = ("extra", "gate_bias", "n_mtp_layers", "bos_token_id", "eos_token_id", "norm_eps")
+        skip = ("extra", "gate_bias", "n_mtp_layers", "bos_token_id", "eos_token_id", "norm_eps", "indexer")
+        skip += () if self.indexer else INDEX_KEYS  # V3's ModelArgs has no index_* fields
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     def to_hf(self) -> dict[str, Any]:
-        """A Hugging Face ``config.json`` (model_type ``deepseek_v32``) for this model."""
+        """A Hugging Face ``config.json`` for this model: model_type ``deepseek_v32``, or
+        ``deepseek_v3`` without the indexer (and without its index_* keys)."""
         out: dict[str, Any] = {
-            "architectures": ["DeepseekV32ForCausalLM"],
-            "model_type": "deepseek_v32",
+            "architectures": ["DeepseekV32ForCausalLM" if self.indexer else "DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v32" if self.indexer else "deepseek_v3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "intermediate_size": self.inter_dim,
@@ -314,9 +338,7 @@ class ModelArgs:
             "v_head_dim": self.v_head_dim,
             "max_position_embeddings": self.max_seq_len,
             "rope_theta": self.rope_theta,
-            "index_n_heads": self.index_n_heads,
-            "index_head_dim": self.index_head_dim,
-            "index_topk": self.index_topk,
+            **({key: getattr(self, key) for key in INDEX_KEYS} if self.indexer else {}),
             "num_nextn_predict_layers": self.n_mtp_layers,
             "hidden_act": "silu",
             "attention_bias": False,
@@ -461,6 +483,9 @@ def _wrong_types(args: ModelArgs) -> list[str]:
         elif f.type in ("str", "str | None"):
             ok = isinstance(value, str) or (value is None and f.type == "str | None")
             kind = "a string"
+        elif f.type == "bool":
+            ok = isinstance(value, bool)
+            kind = "true or false"
         elif f.type == "bool | None":
             ok = value is None or isinstance(value, bool)
             kind = "true, false or null"

@@ -37,6 +37,8 @@ _GATE_BIAS = ("gate.bias", "gate.e_score_correction_bias")
 # module keeps float32 (the products are formed in float32), the file has bfloat16. Every other
 # parameter is stored as the module holds it.
 STORED_BF16 = ("head.weight", "indexer.weights_proj.weight")
+# DeepSeek-V3's checkpoints (no indexer) store the norm gains in bfloat16 too (V3.2's in float32)
+STORED_BF16_V3 = STORED_BF16 + ("norm.weight",)
 _TOP_TO_HF = dict(TOP)
 _TOP_FROM_HF = {hf: ours for ours, hf in TOP}
 _TO_HF = dict(INNER)

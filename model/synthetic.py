@@ -16,14 +16,36 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from pathlib import Path
 
 import torch
 
-from .checkpoint import TensorSpec, WeightSource, expected_specs
+from .checkpoint import TensorSpec, WeightSource, expected_specs, save_checkpoint
 from .config import ConfigError, ModelArgs
 from .fp8 import FP8
 
 _FP8_STD = 64.0  # fp8 values ~ N(0, 64): well inside +-448 and with full precision
+
+
+def v3_layout(args: ModelArgs) -> ModelArgs:
+    """The same model in DeepSeek-V3's layout (V3, R1, V3.1): model_type deepseek_v3, no indexer
+    and no indexer tensors, the norm gains stored in bfloat16."""
+    return args.replace(indexer=False)
+
+
+def write_synthetic_checkpoint(
+    directory: str | os.PathLike,
+    args: ModelArgs,
+    seed: int = 0,
+    n_shards: int = 2,
+    extra_files: dict[str, str | os.PathLike] | None = None,
+) -> Path:
+    """A SyntheticSource of ``args`` saved as a Hugging Face checkpoint (config.json, index, shards),
+    every tensor in its checkpoint dtype: ``write_synthetic_checkpoint(d, v3_layout(TINY))`` is a
+    tiny DeepSeek-V3-layout checkpoint."""
+    source = SyntheticSource(args, seed)
+    tensors = {name: source.load(name) for name in source.specs()}
+    return save_checkpoint(tensors, args, directory, n_shards=n_shards, extra_files=extra_files)
 
 
 def truncate_layers(args: ModelArgs, n_layers: int) -> ModelArgs:

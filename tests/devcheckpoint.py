@@ -44,23 +44,29 @@ def train_tokenizer(directory: str | os.PathLike, texts: list[str], vocab_size: 
     return path
 
 
-def make_dev_checkpoint(directory: str | os.PathLike, seed: int = 1) -> Path:
-    """Write the tiny checkpoint into ``directory`` (created; must not exist or be empty)."""
+def make_dev_checkpoint(directory: str | os.PathLike, seed: int = 1, v3: bool = False) -> Path:
+    """Write the tiny checkpoint into ``directory`` (created; must not exist or be empty); ``v3``:
+    in DeepSeek-V3's layout, without the indexer (model.synthetic.v3_layout)."""
     import tempfile
 
     from model import TINY
-    from model.checkpoint import hf_state_dict, load_model, save_checkpoint
-    from model.synthetic import SyntheticSource
+    from model.checkpoint import expected_specs, hf_state_dict, load_model, save_checkpoint
+    from model.synthetic import SyntheticSource, v3_layout
 
     directory = Path(directory)
     args = TINY.replace(bos_token_id=0, eos_token_id=1)
+    args = v3_layout(args) if v3 else args
     model = load_model(SyntheticSource(args, seed=seed))
     with tempfile.TemporaryDirectory() as tmp:
         train_tokenizer(tmp, [s * 8 for s in SENTENCES], args.vocab_size, ["<bos>", "<eos>"])
         config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}
         (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(config))
         files = {name: Path(tmp) / name for name in ("tokenizer.json", "tokenizer_config.json")}
-        return save_checkpoint(hf_state_dict(model), args, directory, n_shards=2, extra_files=files)
+        tensors = hf_state_dict(model)
+        if v3:  # V3's norm gains are stored in bfloat16 (exact: they were drawn so)
+            specs = expected_specs(args)
+            tensors = {name: t.to(specs[name].dtype) for name, t in tensors.items()}
+        return save_checkpoint(tensors, args, directory, n_shards=2, extra_files=files)
 
 
 def demo_or_dev_checkpoint(scratch: str | os.PathLike) -> str:

@@ -116,7 +116,9 @@ class Flow:
         self._kept: dict[str, torch.Tensor] = {}
         points = []
         for i, block in enumerate(model.layers):
-            points += [(block.resid_pre, "resid_pre"), (block.attn.indexer.topk_indices, "topk")]
+            points.append((block.resid_pre, "resid_pre"))
+            if block.attn.indexer is not None:  # without one (DeepSeek-V3) every causal key is read
+                points.append((block.attn.indexer.topk_indices, "topk"))
             points.append((block.resid_mid, partial(self._attention, i)))
             if isinstance(block.ffn, MoE):
                 points += [(block.ffn.gate.topk_indices, "experts"), (block.ffn.expert_out, "routed")]
@@ -140,7 +142,12 @@ class Flow:
     def _attention(self, layer: int, after: torch.Tensor) -> None:
         attn, reads = self.model.layers[layer].attn, self._reads
         columns = wo_columns(attn.wo.weight, attn.wo.scale, attn.n_heads)  # (D, H, Dv)
-        selected = selected_keys(self._kept.pop("topk"), reads.probs.shape[-1])
+        n_queries, n_keys = reads.probs.shape[0], reads.probs.shape[-1]
+        if "topk" in self._kept:
+            selected = selected_keys(self._kept.pop("topk"), n_keys)  # (T, S)
+        else:  # every key up to the query's position (the last T of the S)
+            selected = torch.arange(n_keys)[None, :] <= torch.arange(n_keys - n_queries, n_keys)[:, None]
+            selected = selected.to(reads.probs.device)
         shares, kept = attention_flow(
             reads.probs,
             reads.values(),
