@@ -45,7 +45,7 @@ from ..cli.progress import ProgressBar
 from ..errors import InputError
 from .corpus import Corpus, Source
 from .counts import FIXED, RECALL_BINS, AtlasCounts, check_state
-from .tables import COLUMNS, imbalance, tables
+from .tables import COLUMNS, OPTIONAL, imbalance, tables
 
 FORMAT = "deepseek-v32-atlas"
 VERSION = 1
@@ -87,6 +87,8 @@ def read_atlas(path: str | os.PathLike) -> Atlas:
         try:
             frame = pd.read_parquet(file)
         except FileNotFoundError:
+            if name in OPTIONAL:  # an atlas of an earlier version: `--resume` on its checkpoint writes it
+                continue
             raise AtlasError(f"{path}: {file.name} is missing") from None
         except Exception as exc:  # pyarrow raises its own error types for damaged files
             raise AtlasError(f"{file}: not a readable Parquet table ({type(exc).__name__}: {exc})") from None

@@ -6,7 +6,7 @@ the sinks' rates are of the whole corpus. docs/atlas.md describes every column.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -19,6 +19,8 @@ from .counts import FIXED, RECALL_BINS, distance_bins, far_pairs, sink_bins
 TOP_TOKENS = 20  # most specific tokens kept per expert
 PRIOR = 10.0  # the specificity's prior, in occurrences of a token that choose the expert at its average rate
 TOP_SINKS = 20  # key positions, and tokens, kept per block
+TOP_EXPERTS = 16  # experts kept per block and token in token_experts (k = 8 on the 671B model)
+TOP_LISTED = 5  # most specific tokens listed per expert in the experts table
 QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90}
 
 # the tables and their columns, in order: the on-disk contract (docs/atlas.md)
@@ -31,7 +33,10 @@ COLUMNS = {
     "indexer_distance": ("block", "distance_bin", "count"),
     "indexer_recall": ("block", "queries", "p10", "p50", "p90", "mean"),
     "indexer_sinks": ("block", "position", "token_id", "token", "selected", "visible", "rate", "expected", "lift"),
+    "token_experts": ("block", "token_id", "token", "occurrences", "expert", "count", "share", "specificity"),
 }
+OPTIONAL = ("token_experts",)  # tables an atlas of an earlier run lacks: read_atlas reads it without them
+EXPERTS_COLUMNS = ("block", "expert", "count", "share", "mean_weight", "top_tokens")
 
 TokenStrings = Callable[[list[int]], list[str]]
 
@@ -54,6 +59,7 @@ def tables(state: dict[str, torch.Tensor], args: ModelArgs, names: TokenStrings,
         "indexer_distance": _distance(s),
         "indexer_recall": _recall(s),
         "indexer_sinks": _sinks(s, names, args.index_topk, min_count),
+        "token_experts": _token_experts(s, moe, args, names, min_count),
     }
     return out
 
@@ -111,16 +117,98 @@ def _expert_tokens(s, moe: list[int], args: ModelArgs, names: TokenStrings, min_
     load = s["expert_count"][m, expert].astype(np.float64)
     occurrences = s["token_count"][token].astype(np.float64)
     pmi = np.log2(counts.astype(np.float64) * tokens / (load * occurrences))
-    rate = load / tokens  # P(expert): the share of tokens that choose it
-    specificity = np.log2((counts + PRIOR * rate) / ((occurrences + PRIOR) * rate))
     frame = pd.DataFrame({"block": np.asarray(moe)[m], "expert": expert, "token_id": token, "count": counts})
-    frame["pmi"], frame["specificity"] = pmi, specificity
+    frame["pmi"], frame["specificity"] = pmi, specificity(counts, occurrences, load, tokens)
     frame = frame[frame["count"] >= min_count]
     order = ["block", "expert", "specificity", "count", "token_id"]
     frame = frame.sort_values(order, ascending=[True, True, False, False, True])
     frame = frame.groupby(["block", "expert"], sort=False).head(TOP_TOKENS).reset_index(drop=True)
     frame.insert(3, "token", _strings(names, frame["token_id"].to_numpy()))
     return frame[list(COLUMNS["expert_tokens"])]
+
+
+def specificity(count: np.ndarray, occurrences: np.ndarray, load: np.ndarray, tokens: int) -> np.ndarray:
+    """PMI with a count prior: log2 ((count + PRIOR P(e)) / ((occurrences + PRIOR) P(e))), P(e) =
+    load / tokens, the share of tokens that choose the expert: PRIOR occurrences added at the
+    expert's average rate, so that a rare token does not tie with a common one."""
+    rate = np.asarray(load, dtype=np.float64) / max(tokens, 1)
+    return np.log2((np.asarray(count, dtype=np.float64) + PRIOR * rate) / ((np.asarray(occurrences) + PRIOR) * rate))
+
+
+def _token_experts(s, moe: list[int], args: ModelArgs, names: TokenStrings, min_count: int) -> pd.DataFrame:
+    """The other way round from expert_tokens: per MoE block and token seen at least ``min_count``
+    times, the experts its occurrences chose (the TOP_EXPERTS most chosen; ties: the lower expert),
+    so that a token can be looked up. ``share`` = count / (occurrences x k), the expert's share of the
+    token's routings in the block (over all its experts they add up to 1)."""
+    e, v, k = args.n_routed_experts, args.vocab_size, args.n_activated_experts
+    keys, counts = s["expert_token_keys"], s["expert_token_counts"]
+    if not len(keys):
+        return _frame("token_experts", [])
+    slot, token = keys // v, keys % v
+    m, expert = slot // e, slot % e
+    occurrences = s["token_count"][token]
+    frame = pd.DataFrame({"block": np.asarray(moe)[m], "token_id": token, "occurrences": occurrences, "expert": expert})
+    frame["count"] = counts
+    frame["share"] = counts / (occurrences * k)
+    frame["specificity"] = specificity(counts, occurrences, s["expert_count"][m, expert], int(s["tokens"][0]))
+    frame = frame[occurrences >= min_count]
+    frame = frame.sort_values(["block", "token_id", "count", "expert"], ascending=[True, True, False, True])
+    frame = frame.groupby(["block", "token_id"], sort=False).head(TOP_EXPERTS).reset_index(drop=True)
+    frame.insert(2, "token", _strings(names, frame["token_id"].to_numpy()))
+    return frame[list(COLUMNS["token_experts"])]
+
+
+def experts_table(found: Mapping[str, pd.DataFrame], top: int = TOP_LISTED) -> pd.DataFrame:
+    """One row per MoE block and routed expert, every block at once, to browse: its load (``count``,
+    ``share``), ``mean_weight`` (weight_sum / count; NaN for an expert never chosen) and its ``top``
+    most specific tokens (``top_tokens``, ``top_token_ids``: lists, most specific first), from an
+    atlas's tables (``read_atlas(...).tables``). Ordered by block, then expert."""
+    load = found["expert_load"].sort_values(["block", "expert"], ignore_index=True)
+    specific = found["expert_tokens"].sort_values(
+        ["block", "expert", "specificity", "count", "token_id"], ascending=[True, True, False, False, True]
+    )
+    specific = specific.groupby(["block", "expert"], sort=False).head(top)
+    lists = specific.groupby(["block", "expert"], sort=False).agg(top_tokens=("token", list), top_token_ids=("token_id", list))
+    frame = load.join(lists, on=["block", "expert"])
+    for column in ("top_tokens", "top_token_ids"):
+        frame[column] = frame[column].map(lambda x: x if isinstance(x, list) else [])
+    frame["mean_weight"] = frame["weight_sum"] / frame["count"].where(frame["count"] > 0)
+    return frame[list(EXPERTS_COLUMNS) + ["top_token_ids"]]
+
+
+def search_experts(frame: pd.DataFrame, text: str) -> pd.DataFrame:
+    """The rows of :func:`experts_table` that ``text`` names: a number matches the block or the expert,
+    and any text matches a most specific token that holds it (case-insensitive); empty: every row."""
+    text = text.strip()
+    if not text:
+        return frame
+    needle = text.casefold()
+    hit = frame["top_tokens"].map(lambda tokens: any(needle in t.casefold() for t in tokens))
+    if text.isascii() and text.isdigit():
+        hit |= (frame["block"] == int(text)) | (frame["expert"] == int(text))
+    return frame[hit]
+
+
+def find_token(found: Mapping[str, pd.DataFrame], text: str) -> int | None:
+    """The id of the token ``text`` names in an atlas: digits are an id, any other text a token's
+    exact string (as the tokenizer writes it, a leading space included). None: the atlas lists no such
+    token (too rare for ``--min-count``, never seen, or an atlas without token_experts)."""
+    table = found.get("token_experts")
+    if table is None or table.empty:
+        return None
+    if text.strip().isascii() and text.strip().isdigit():
+        token = int(text)
+        return token if (table["token_id"] == token).any() else None
+    hits = table.loc[table["token"] == text, "token_id"]
+    return int(hits.iloc[0]) if len(hits) else None
+
+
+def token_routes(found: Mapping[str, pd.DataFrame], token: int) -> pd.DataFrame:
+    """Per MoE block, the experts that took ``token`` in the atlas's corpus: count, share of the
+    token's routings in the block, specificity; most chosen first in each block."""
+    table = found["token_experts"]
+    rows = table[table["token_id"] == token]
+    return rows.sort_values(["block", "count", "expert"], ascending=[True, False, True], ignore_index=True)
 
 
 def _group_load(s, moe: list[int]) -> pd.DataFrame:
