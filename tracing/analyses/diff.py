@@ -4,26 +4,42 @@ changed, and how the predictions moved.
 Two runs of one prompt (an intervention against the plain run) compare position by position; so do
 two prompts of one length (a clean and a corrupt prompt), every table marking the positions whose
 tokens differ (``same_token``); prompts of different lengths compare at their last positions only
-(and the summary says so), where both predict the next token."""
+(and the summary says so), where both predict the next token. Two checkpoints that share a tokenizer
+compare through the same tables: one prompt traced on each in turn (:func:`trace_checkpoints`)."""
 
 from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
+from model.config import ModelArgs
+
 from ..errors import InputError
+from ..runner import TraceRequest
 from ..tables.frames import _names
 from ..trace import Trace
 
 _STREAM = ("resid_pre", "resid_mid", "resid_post")
 
 
-def _check(a: Trace, b: Trace) -> None:
-    for name in ("n_layers", "dim", "vocab_size"):  # the streams and the next-token distributions compared entry by entry
-        x, y = getattr(a.config, name), getattr(b.config, name)
+def check_shapes(a: ModelArgs, b: ModelArgs, what: str = "the traces come from models") -> None:
+    """The streams and the next-token distributions compare entry by entry, block by block: the same
+    blocks, width and vocabulary, or InputError (no common prefix of blocks: block i of a deeper
+    model is not the same step of the computation)."""
+    for name in ("n_layers", "dim", "vocab_size"):
+        x, y = getattr(a, name), getattr(b, name)
         if x != y:
-            raise InputError(f"the traces come from models of different shapes ({name} {x} and {y})")
+            raise InputError(f"{what} of different shapes ({name} {x} and {y})")
+
+
+def _check(a: Trace, b: Trace) -> None:
+    check_shapes(a.config, b.config)
 
 
 def _rows(a: Trace, b: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -120,6 +136,111 @@ def predictions_diff(a: Trace, b: Trace) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def _key_mask(keys: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """(T, K) selected keys, -1 for none, as a (T, S) mask of the keys selected."""
+    mask = torch.zeros(keys.shape[0], n_keys + 1, dtype=torch.bool)
+    mask.scatter_(-1, torch.where(keys < 0, n_keys, keys), True)  # the -1s land in a column dropped below
+    return mask[:, :n_keys]
+
+
+def _selected(trace: Trace, block: int, rows: np.ndarray) -> torch.Tensor | None:
+    keys = trace.site(block, "attn.indexer.topk_indices")
+    return None if keys is None else keys[rows]
+
+
+def attention_diff(a: Trace, b: Trace) -> pd.DataFrame:
+    """Per block and query position, how the attention mass over the keys moved (mean over heads,
+    ``attn.probs_mean``): the total variation ``attn_tv`` = ½ Σ_s |p_a(s) − p_b(s)| (0: the same
+    mass on every key, 1: disjoint keys), the key each run reads most, and the share of one run's
+    mass on the keys the other's indexer selected (``a_on_keys_b``: how much of a's attention b's
+    sparse attention can see; NaN where b has no indexer). Dense and sparse attention compare alike:
+    both are distributions over the visible keys."""
+    frames = []
+    ia, ib = _rows(a, b)
+    where = _positions(a, b, ia, ib)
+    for i in range(a.config.n_layers):
+        x, y = a.site(i, "attn.probs_mean"), b.site(i, "attn.probs_mean")
+        if x is None or y is None or x.shape != y.shape:
+            continue
+        x, y = x[ia].double(), y[ib].double()  # (T, S)
+        frame = {
+            "block": i,
+            "position": where["position"],
+            "token": where["token"],
+            "attn_tv": (0.5 * (x - y).abs().sum(-1)).numpy(),
+            "top_key_a": x.argmax(-1).numpy(),
+            "top_key_b": y.argmax(-1).numpy(),
+        }
+        for name, p, keys in (
+            ("a_on_keys_b", x, _selected(b, i, ib)),
+            ("b_on_keys_a", y, _selected(a, i, ia)),
+        ):
+            frame[name] = np.full(len(ia), np.nan) if keys is None else (p * _key_mask(keys, p.shape[-1])).sum(-1).numpy()
+        frame["token_b"], frame["same_token"] = where["token_b"], where["same_token"]
+        frames.append(pd.DataFrame(frame).assign(changed=lambda f: f.top_key_a != f.top_key_b))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def logits_diff(a: Trace, b: Trace) -> pd.DataFrame:
+    """Per position, from ``logits.all``: KL(p_a ‖ p_b) of the next-token distributions in nats,
+    ``Σ_v p_a(v) (log p_a(v) − log p_b(v))``, both top-1 tokens and whether they agree."""
+    if "logits.all" not in a or "logits.all" not in b:
+        return pd.DataFrame()
+    ia, ib = _rows(a, b)
+    where = _positions(a, b, ia, ib)
+    la = a["logits.all"][ia].double().log_softmax(-1)  # (T, V)
+    lb = b["logits.all"][ib].double().log_softmax(-1)
+    top_a, top_b = la.argmax(-1).numpy(), lb.argmax(-1).numpy()
+    frame = pd.DataFrame(
+        {
+            "position": where["position"],
+            "token": where["token"],
+            "kl": (la.exp() * (la - lb)).sum(-1).numpy(),
+            "top1_a": _names(a, top_a),
+            "top1_b": _names(b, top_b),
+            "agree": top_a == top_b,
+            "token_b": where["token_b"],
+            "same_token": where["same_token"],
+        }
+    )
+    return frame.assign(changed=~frame.agree)
+
+
+def per_block(tables: dict[str, pd.DataFrame], n_layers: int) -> pd.DataFrame:
+    """One row per block from the other tables, means over positions: the drift of the block's output
+    (``resid_post``: relative L2 |x_b − x_a| / |x_a|, mean and max, cosine), the experts' and the
+    indexer keys' Jaccard |A ∩ B| / |A ∪ B| and the share of positions whose set changed, the
+    attention's total variation, and the share of positions whose logit-lens top-1 changed. NaN where
+    either trace lacks the measure (a dense block's experts, a model without an indexer's keys)."""
+    out = pd.DataFrame({"block": np.arange(n_layers)}).set_index("block")
+    columns = (
+        ("stream", "rel_l2", "rel_l2_mean", np.mean),
+        ("stream", "rel_l2", "rel_l2_max", np.max),
+        ("stream", "cosine", "cosine_mean", np.mean),
+        ("experts", "jaccard", "experts_jaccard", np.mean),
+        ("experts", "changed", "experts_changed_share", np.mean),
+        ("indexer_keys", "jaccard", "keys_jaccard", np.mean),
+        ("indexer_keys", "changed", "keys_changed_share", np.mean),
+        ("attention", "attn_tv", "attn_tv", np.mean),
+        ("attention", "changed", "top_key_changed_share", np.mean),
+        ("attention", "a_on_keys_b", "a_on_keys_b", np.mean),
+        ("attention", "b_on_keys_a", "b_on_keys_a", np.mean),
+        ("predictions", "changed", "lens_top1_changed_share", np.mean),
+    )
+    if not any(name in tables for name, *_ in columns):
+        return pd.DataFrame()
+    for name, column, label, how in columns:
+        frame = tables.get(name)
+        if frame is None or frame.empty:
+            out[label] = np.nan  # every column always: one schema whatever the two models hold
+            continue
+        if name == "stream":
+            frame = frame[frame["site"] == "resid_post"]
+        # numpy's, not pandas': a NaN at one position leaves the block's figure NaN, not the others' mean
+        out[label] = frame.groupby("block")[column].agg(lambda v, how=how: how(v.to_numpy(dtype=np.float64)))
+    return out.reset_index()
+
+
 def next_token_diff(a: Trace, b: Trace, top: int = 10) -> pd.DataFrame:
     if "logits.last" not in a or "logits.last" not in b:
         return pd.DataFrame()
@@ -137,10 +258,14 @@ def diff_tables(a: Trace, b: Trace) -> dict[str, pd.DataFrame]:
         "experts": _selection_diff(a, b, "ffn.gate.topk_indices", "experts"),
         # key positions mean the same in both only for traces of one length
         "indexer_keys": _selection_diff(a, b, "attn.indexer.topk_indices", "keys") if a.n_tokens == b.n_tokens else None,
+        "attention": attention_diff(a, b) if a.n_tokens == b.n_tokens else None,
         "predictions": predictions_diff(a, b),
+        "logits": logits_diff(a, b),
         "next_token": next_token_diff(a, b),
     }
-    return {name: frame for name, frame in out.items() if frame is not None and not frame.empty}
+    out = {name: frame for name, frame in out.items() if frame is not None and not frame.empty}
+    blocks = per_block(out, a.config.n_layers)
+    return {"blocks": blocks, **out} if not blocks.empty else out
 
 
 def _figure(value: float, digits: int | None = None) -> float | None:
@@ -176,8 +301,116 @@ def summary(a: Trace, b: Trace, tables: dict[str, pd.DataFrame] | None = None) -
         frame = tables.get(name)
         if frame is not None:
             out[f"{name}_changed"] = int(frame.changed.sum())
+    if "logits" in tables:
+        out["kl_mean"] = _figure(np.mean(tables["logits"].kl.to_numpy()))
+        out["top1_agreement"] = _figure(tables["logits"].agree.mean())
     if "next_token" in tables:
         pa, pb = a["logits.last"].double().log_softmax(-1), b["logits.last"].double().log_softmax(-1)
         out["next_token_kl"] = _figure((pa.exp() * (pa - pb)).sum())
         out["next_token_a"], out["next_token_b"] = int(pa.argmax()), int(pb.argmax())
     return out
+
+
+def check_tokenizers(
+    ids_a: Sequence[int],
+    ids_b: Sequence[int],
+    vocab_a: int | None = None,
+    vocab_b: int | None = None,
+    pieces_a: Sequence[str] | None = None,
+    pieces_b: Sequence[str] | None = None,
+) -> None:
+    """Two checkpoints compare position by position only when their tokenizers make the same tokens
+    of the prompt: the same ids, and where known the same vocabulary size and the same text for each
+    token; else InputError naming the first difference. Two tokenizers that pass agree on everything
+    this comparison reads."""
+    if vocab_a is not None and vocab_b is not None and vocab_a != vocab_b:
+        raise InputError(f"the checkpoints' tokenizers differ: vocabularies of {vocab_a} and {vocab_b} tokens")
+    if len(ids_a) != len(ids_b):
+        raise InputError(
+            f"the checkpoints' tokenizers differ: the prompt is {len(ids_a)} tokens in one and {len(ids_b)} in the other"
+        )
+    for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)):
+        if x != y:
+            raise InputError(f"the checkpoints' tokenizers differ: token {i} of the prompt is id {x} in one and {y} in the other")
+    if pieces_a is not None and pieces_b is not None:
+        for i, (x, y) in enumerate(zip(pieces_a, pieces_b, strict=True)):
+            if x != y:
+                raise InputError(f"the checkpoints' tokenizers differ: id {ids_a[i]} reads {x!r} in one and {y!r} in the other")
+
+
+def trace_checkpoints(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    request: TraceRequest,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    stream: bool | None = False,
+    on_block: Callable[[int, int, int], None] | None = None,
+) -> tuple[Trace, Trace]:
+    """``request`` traced on checkpoint ``a``, then on ``b`` (directories, or ``demo``), with the same
+    sites plus ``logits.all`` (the per-position KL). Refused before any model loads when the shapes
+    differ (:func:`check_shapes`) or the tokenizers make other tokens of the prompt
+    (:func:`check_tokenizers`). One model in memory at a time: the first is freed before the second
+    loads, so a pair of checkpoints needs the memory of the larger; the MTP module stays unloaded
+    (nothing here compares its drafts). ``on_block(which, block, n_blocks)``: progress, ``which`` 0 (a) or 1 (b)."""
+    from model.checkpoint import SafetensorsSource
+
+    from ..cli.loading import open_checkpoint, resolve_checkpoint
+    from ..runner import encode, run
+    from ..tokenizer import Tokenizer
+
+    request = request.check()
+    if request.generate or request.prefill is not None or request.patches:
+        raise InputError("a checkpoint diff traces one prefill of the prompt: --generate, --prefill and patches do not apply")
+    if "logits.all" not in request.record:
+        request = dataclasses.replace(request, record=(*request.record, "logits.all"))
+    directories = [resolve_checkpoint(path) for path in (a, b)]
+    configs = [SafetensorsSource(directory).args for directory in directories]
+    check_shapes(*configs, what="the checkpoints are models")
+    tokenizers = [Tokenizer(d) if (d / "tokenizer.json").exists() else None for d in directories]
+    ids = [encode(request, tokenizer) for tokenizer in tokenizers]
+    both = all(t is not None for t in tokenizers)
+    check_tokenizers(
+        *ids,
+        *([t.vocab_size for t in tokenizers] if both else [None, None]),
+        *([t.token_strings(i) for t, i in zip(tokenizers, ids, strict=True)] if both else [None, None]),
+    )
+    traces = []
+    for which, directory in enumerate(directories):
+        loaded = open_checkpoint(directory, device, dtype, stream, mtp=False)
+        traces.append(
+            run(
+                loaded.model,
+                request,
+                loaded.tokenizer,
+                on_block=None if on_block is None else lambda i, which=which: on_block(which, i, configs[0].n_layers),
+                extra={"checkpoint": loaded.label},
+                device=loaded.device,
+                context=loaded.context(),
+                plan=loaded.plan,
+            )
+        )
+        used = loaded.device
+        del loaded  # before the next one loads
+        gc.collect()
+        if used.type == "cuda":
+            torch.cuda.empty_cache()
+    return traces[0], traces[1]
+
+
+def diff_checkpoints(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    record: str = "default",
+    **load,
+) -> dict[str, pd.DataFrame]:
+    """The tables of :func:`diff_tables` for one prompt (or token ids) on two checkpoints that share
+    a tokenizer, e.g. V3.1-Terminus against V3.2-Exp: ``diff_checkpoints("A", "B", "It is a
+    truth")["blocks"]``. ``load``: :func:`trace_checkpoints`'s device, dtype, stream. For the summary
+    line too: ``a, b = trace_checkpoints(...)``, then ``summary(a, b)``."""
+    request = TraceRequest(prompt=prompt, token_ids=None if token_ids is None else tuple(token_ids), record=record)
+    return diff_tables(*trace_checkpoints(a, b, request, **load))

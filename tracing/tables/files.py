@@ -35,7 +35,7 @@ def to_csv_bytes(frame: pd.DataFrame) -> bytes:
 
 # the names of every table this project writes: the trace's and those of ``diff``
 # (tracing.analyses.diff.diff_tables); a reused output directory loses the files of these names it does not rewrite
-DIFF_TABLES = ("stream", "experts", "indexer_keys", "predictions", "next_token")
+DIFF_TABLES = ("blocks", "stream", "experts", "indexer_keys", "attention", "predictions", "logits", "next_token")
 TABLE_FILES = frozenset(f"{name}.{ext}" for name in (*BUILDERS, *DIFF_TABLES) for ext in ("csv", "parquet"))
 
 

@@ -170,7 +170,8 @@ def test_a_reused_csv_directory_holds_only_this_runs_tables(capsys, saved, tmp_p
     assert set(os.listdir(csv)) == mine | {f"{t}.csv" for t in tables}
     code, out, err = run(capsys, "diff", saved, saved, "--csv", csv)  # other tables: the trace's go
     assert code == 0, err
-    assert set(os.listdir(csv)) == mine | {"stream.csv", "experts.csv", "indexer_keys.csv", "next_token.csv"}
+    diffs = {"blocks.csv", "stream.csv", "experts.csv", "indexer_keys.csv", "attention.csv", "next_token.csv"}
+    assert set(os.listdir(csv)) == mine | diffs
     assert (csv / "notes.txt").read_text() == "mine" and json.loads(out)["tokens"] == 3
 
 
