@@ -15,6 +15,7 @@ from model.config import ModelArgs
 
 from . import attention, experts, predictions, residual, router
 from .arrays import future_mask
+from .figures import without_first
 from .tokens import labels
 
 if TYPE_CHECKING:
@@ -26,9 +27,9 @@ def embedded_stream(view: View, block: int, **_) -> go.Figure | None:
     return None if got is None else residual.embedded_stream_figure(got[0], got[1], labels(view))
 
 
-def block_updates(view: View, block: int, **_) -> go.Figure | None:
+def block_updates(view: View, block: int, skip_first: bool = False, **_) -> go.Figure | None:
     df = residual.block_updates(view.trace, block)
-    return None if df is None else residual.block_updates_figure(df, block)
+    return None if df is None else residual.block_updates_figure(df, block, skip_first)
 
 
 def norm_rms(view: View, block: int, **_) -> go.Figure | None:
@@ -36,12 +37,16 @@ def norm_rms(view: View, block: int, **_) -> go.Figure | None:
     return None if df is None else residual.norm_rms_figure(df, block)
 
 
-def attention_pattern(view: View, block: int, head: int | None = None, **_) -> go.Figure | None:
+def attention_pattern(view: View, block: int, head: int | None = None, skip_first: bool = False, **_) -> go.Figure | None:
+    """``skip_first``: key 0 left out of the colours (the attention sink many heads park their mass on)."""
     z = attention.attention_pattern(view.trace, block, head)
     if z is None:
         return None
     which = "mean over heads" if head is None else f"head {head}"
-    return attention.attention_figure(z, labels(view), f"Block {block}: attention probabilities ({which})")
+    title = f"Block {block}: attention probabilities ({which})"
+    if skip_first:
+        z, title = without_first(z), title + "; key 0 left out"
+    return attention.attention_figure(z, labels(view), title)
 
 
 def index_scores(view: View, block: int, **_) -> go.Figure | None:
@@ -67,9 +72,9 @@ def sparse_mask(view: View, block: int, **_) -> go.Figure | None:
     return attention.sparse_mask_figure(grid, labels(view), f"Block {block}: the sparse attention mask M")
 
 
-def mlp_update(view: View, block: int, **_) -> go.Figure | None:
+def mlp_update(view: View, block: int, skip_first: bool = False, **_) -> go.Figure | None:
     df = residual.block_updates(view.trace, block)
-    return None if df is None else residual.mlp_update_figure(df, block)
+    return None if df is None else residual.mlp_update_figure(df, block, skip_first)
 
 
 def router_scores(view: View, block: int, **_) -> go.Figure | None:

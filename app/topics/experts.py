@@ -10,7 +10,19 @@ import plotly.graph_objects as go
 from tracing.trace import Trace
 
 from .arrays import site
-from .figures import COLORS, TICK_LIMIT, figure, heatmap, position_figure, positions, rows_figure
+from .figures import (
+    COLORS,
+    FIRST_LEFT_OUT,
+    TICK_LIMIT,
+    figure,
+    heatmap,
+    outlier_note,
+    position_figure,
+    positions,
+    robust_range,
+    rows_figure,
+    with_outliers,
+)
 from .tokens import token_texts
 
 
@@ -101,13 +113,14 @@ def expert_weights_figure(df: pd.DataFrame, labels: list[str], block: int, n_exp
         if len(labels) <= TICK_LIMIT:
             trace.update(text=part["expert"].astype(str), textposition="inside", insidetextanchor="middle")
         traces.append(trace)
+    written = "the numbers: expert" if len(labels) <= TICK_LIMIT else f"over {TICK_LIMIT} positions: hover for the expert"
     return figure(
         traces,
-        f"Block {block}: chosen experts and their weights",
+        f"Block {block}: chosen experts and their weights ({written})",
         height=420,
         barmode="stack",
         xaxis=positions(labels, "position"),
-        yaxis={"title": {"text": "gating weight, stacked (numbers: expert)"}},
+        yaxis={"title": {"text": "gating weight, stacked"}},
     )
 
 
@@ -118,19 +131,25 @@ def _palette(n: int) -> list[str]:
     return [base[i % len(base)] for i in range(n)]
 
 
-def routed_shared_figure(df: pd.DataFrame, block: int) -> go.Figure:
+def routed_shared_figure(df: pd.DataFrame, block: int, skip_first: bool = False) -> go.Figure:
+    """Both outputs' sizes per position on a scale that stops above the bulk (the first token's outputs
+    are often far larger), the positions beyond it marked; ``skip_first`` leaves position 0 out."""
     series = [
         ("bar", "routed experts", "|routed experts|", COLORS["moe"]),
         ("bar", "shared expert", "|shared expert|", COLORS["dense"]),
     ]
-    title = f"Block {block}: routed vs shared expert output size"
-    return position_figure(df, series, title, {"title": {"text": "L2 norm of the output"}}, height=320, barmode="group")
+    title = f"Block {block}: routed vs shared expert output size" + (FIRST_LEFT_OUT if skip_first else "")
+    shown = df.iloc[1:] if skip_first else df
+    yaxis = {"title": {"text": "L2 norm of the output"}}
+    return position_figure(shown, series, title, yaxis, robust="L2 norm", height=320, barmode="group")
 
 
 def expert_load_figure(layers: list[int], counts: np.ndarray, weights: np.ndarray | None, n_tokens: int) -> go.Figure:
     rows = [f"block {i}" for i in layers]
     hover = "%{y} · expert %{x}<br>%{z} of " + str(n_tokens) + " tokens<br>mean weight %{customdata:.4f}"
     custom = weights if weights is not None else np.zeros_like(counts, dtype=float)
-    heat = heatmap(counts, rows, hover, scale="tokens", zmin=0, customdata=custom)
-    title = "Expert load: tokens routed to each expert, per MoE block"
+    scale = robust_range(counts, lo=0.0)
+    heat = with_outliers(heatmap(counts, rows, hover, customdata=custom), scale, "tokens")
+    experts = [f"expert {e}" for e in range(counts.shape[1])]
+    title = "Expert load: tokens routed to each expert, per MoE block" + outlier_note(counts, scale.outliers, experts, "tokens")
     return rows_figure([heat], rows, title, {"title": {"text": "routed expert"}}, per=32)

@@ -6,6 +6,7 @@ values; axes name what they count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -143,13 +144,25 @@ def rows_figure(
     traces: list[dict], rows: list[str], title: str, xaxis: dict, lo: int = 300, per: int = 16, **layout: Any
 ) -> go.Figure:
     """Named rows (blocks, points in the network) from the top down, as tall as they need."""
-    return figure(traces, title, height=heat_height(len(rows), lo=lo, per=per), yaxis=reversed_axis(), xaxis=xaxis, **layout)
+    yaxis = reversed_axis(**({"dtick": 1, "type": "category"} if len(rows) <= TICK_LIMIT else {}))  # every row named
+    return figure(traces, title, height=heat_height(len(rows), lo=lo, per=per), yaxis=yaxis, xaxis=xaxis, **layout)
 
 
-def position_figure(df: pd.DataFrame, series: list[tuple], title: str, yaxis: dict, **layout: Any) -> go.Figure:
+def position_figure(
+    df: pd.DataFrame, series: list[tuple], title: str, yaxis: dict, robust: str | None = None, **layout: Any
+) -> go.Figure:
     """Values per position of a frame with ``position`` and ``token`` columns, one trace per series:
-    (``"bar"`` or ``"line"``, column, name, colour[, hover number format])."""
+    (``"bar"`` or ``"line"``, column, name, colour[, hover number format]). ``robust``: the measure's
+    name, to draw it on :func:`robust_range` (the y axis stops above the bulk, the positions beyond
+    it marked ▲ with their value and named in the title)."""
     names = [f"{p} {t}" for p, t in zip(df["position"], df["token"], strict=True)]
+    marks = None
+    if robust is not None and len(df):
+        values = np.stack([df[s[1]].to_numpy(dtype=np.float64) for s in series])  # (series, T)
+        scale = robust_range(values, lo=0.0)
+        marks, axis = bar_outliers(names, values, scale, robust)
+        yaxis = {**yaxis, **axis}
+        title += outlier_note(values, scale.outliers, names, robust)
     traces = []
     for kind, column, name, color, *fmt in series:
         trace = {
@@ -163,6 +176,8 @@ def position_figure(df: pd.DataFrame, series: list[tuple], title: str, yaxis: di
         else:
             trace.update(type="scatter", mode="lines+markers", line={"color": color})
         traces.append(trace)
+    if marks is not None:
+        traces.append(marks)
     return figure(traces, title, xaxis=positions(names, "position"), yaxis=yaxis, **layout)
 
 
@@ -185,9 +200,121 @@ def robust_top(z, factor: float = 4.0) -> tuple[float | None, np.ndarray]:
 
 
 def outlier_note(z, outliers: np.ndarray, labels: list[str], what: str) -> str:
-    """``; position 0 ␣The above the scale (|x| up to 702.3, marked ▲)``: the title's word on outliers."""
+    """``; position 0 ␣The beyond the scale (|x| up to 702.3, marked ▲)``: the title's word on outliers."""
     if not outliers.any():
         return ""
     columns = sorted(set(np.nonzero(outliers)[1].tolist()))
     named = ", ".join(labels[c] for c in columns[:3]) + (f" and {len(columns) - 3} more" if len(columns) > 3 else "")
-    return f"; {named} above the scale ({what} up to {float(np.nanmax(np.asarray(z)[outliers])):.4g}, marked ▲)"
+    peak = np.asarray(z, dtype=np.float64)[outliers]
+    extreme = float(peak[np.argmax(np.abs(peak))])
+    return f"; {named} beyond the scale ({what} up to {extreme:.4g}, marked ▲)"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A colour (or bar) range that shows the bulk of the data: ``lo``..``hi``, the values beyond it
+    (bool, the data's shape) to be marked and named, and whether it is a clipped one."""
+
+    lo: float
+    hi: float
+    outliers: np.ndarray
+
+    @property
+    def clipped(self) -> bool:
+        return bool(self.outliers.any())
+
+
+def _finite(z) -> np.ndarray:
+    z = np.asarray(z, dtype=np.float64)
+    return np.where(np.isfinite(z), z, np.nan)
+
+
+def robust_range(z, lo: float | None = None, factor: float = 4.0) -> Scale:
+    """Sequential data (rows x positions, or one row): from ``lo`` (default the data's least) up to the
+    largest value outside the dominating positions (:func:`robust_top`), or to the data's largest when
+    none dominates. One rule for every heat map and bar chart of sizes."""
+    z = _finite(np.atleast_2d(z))
+    if not np.isfinite(z).any():
+        return Scale(0.0 if lo is None else lo, 1.0, np.zeros(z.shape, dtype=bool))
+    top, outliers = robust_top(z, factor)
+    low = float(np.nanmin(z)) if lo is None else lo
+    high = float(np.nanmax(z)) if top is None else top
+    return Scale(low, high if high > low else low + 1.0, outliers)
+
+
+def symmetric_range(z, factor: float = 4.0) -> Scale:
+    """Diverging data around 0: ±the largest |value| outside the dominating positions (robust_top of
+    |z|), or ±max|v| when none dominates; so 0 stays white and the bulk keeps its colours."""
+    z = _finite(np.atleast_2d(z))
+    if not np.isfinite(z).any():
+        return Scale(-1.0, 1.0, np.zeros(z.shape, dtype=bool))
+    top, outliers = robust_top(np.abs(z), factor)
+    bound = float(np.nanmax(np.abs(z))) if top is None else top
+    bound = bound or 1.0
+    return Scale(-bound, bound, outliers)
+
+
+def colour_bar(scale: Scale, title: str, symmetric: bool = False) -> dict:
+    """A colour bar whose ends say ``≥ X`` (and ``≤ −X``) when the scale stops before the data."""
+    bar: dict[str, Any] = {"title": {"text": title}}
+    if scale.clipped:
+        ticks = np.linspace(scale.lo, scale.hi, 5)
+        text = [f"{v:.3g}" for v in ticks]
+        text[-1] = f"≥ {scale.hi:.3g}"
+        if symmetric:
+            text[0] = f"≤ {scale.lo:.3g}"
+        bar.update(tickvals=ticks.tolist(), ticktext=text)
+    return bar
+
+
+def with_outliers(trace: dict, scale: Scale, title: str, symmetric: bool = False) -> dict:
+    """A heatmap trace drawn on ``scale``: its range, a colour bar saying where the scale stops, and
+    each cell beyond the scale written ▲ (the caption names them: :func:`outlier_note`)."""
+    trace.update(zmin=scale.lo, zmax=scale.hi, colorbar=colour_bar(scale, title, symmetric))
+    if symmetric:
+        trace["zmid"] = 0
+    if scale.clipped:
+        trace.update(text=np.where(scale.outliers, "▲", ""), texttemplate="%{text}", textfont={"size": 11})
+    return trace
+
+
+def bar_outliers(x: list[str], values: np.ndarray, scale: Scale, what: str) -> tuple[dict | None, dict]:
+    """Bars (series x positions ``values``) on ``scale``: the y axis stops a little above the bulk and
+    each bar beyond it gets a ▲ with its value at the top (a scatter trace, its hover naming it); the
+    trace, or None when nothing is clipped, and the y axis range."""
+    axis = {"range": [min(0.0, scale.lo), scale.hi * 1.12]}
+    if not scale.clipped:
+        return None, {"rangemode": "tozero"}
+    columns = sorted(set(np.nonzero(scale.outliers)[1].tolist()))
+    peaks = [float(np.nanmax(values[:, c])) for c in columns]
+    marks = {
+        "type": "scatter",
+        "mode": "markers+text",
+        "x": [x[c] for c in columns],
+        "y": [scale.hi * 1.06] * len(columns),
+        "text": [f"▲ {v:.3g}" for v in peaks],
+        "textposition": "middle right",
+        "textfont": {"size": 10},
+        "marker": {"symbol": "triangle-up", "size": 10, "color": COLORS["marker"]},
+        "name": "beyond the scale",
+        "customdata": peaks,
+        "hovertemplate": "%{x}<br>" + what + " = %{customdata:.4g} (beyond the scale)<extra></extra>",
+    }
+    return marks, axis
+
+
+def without_first(z) -> np.ndarray:
+    """A (rows x positions) grid with the first position blanked: its own scale for the rest."""
+    z = np.array(z, dtype=np.float64)
+    z[..., 0] = np.nan
+    return z
+
+
+FIRST_LEFT_OUT = "; position 0 left out"
+
+
+def cells_note(n_positions: int, written: str) -> str:
+    """The title's word on cell text: what is written in the cells, or why nothing is."""
+    if n_positions <= TICK_LIMIT:
+        return f" ({written} in each cell)"
+    return f" (more than {TICK_LIMIT} positions: hover for {written})"

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from tracing.tables.frames import logit_lens_table, next_token_table
 from tracing.trace import Trace
 
-from .figures import COLORS, figure, heatmap, positions, reversed_axis, rows_figure, write_cells
+from .figures import COLORS, cells_note, figure, heatmap, positions, reversed_axis, rows_figure, write_cells
 from .tokens import show_token
 
 
@@ -57,7 +57,7 @@ def logit_lens_figure(lens: Lens, labels: list[str]) -> go.Figure:
     rows = [f"after block {i}" for i in lens.layers]
     hover = "%{y} · position %{x}<br><b>top tokens</b><br>%{customdata}"
     heat = heatmap(lens.prob, rows, hover, x=labels, scale="p(top 1)", zmin=0, zmax=1, customdata=lens.hover)
-    title = "Logit lens: the top next token read from each block's output"
+    title = "Logit lens: the top next token read from each block's output" + cells_note(len(labels), "the top token")
     xaxis = positions(labels, "position (predicting the next token)")
     return rows_figure([write_cells(heat, lens.top1, len(labels))], rows, title, xaxis, lo=320, per=48)
 

@@ -15,6 +15,7 @@ from .arrays import site
 from .figures import (
     COLORS,
     DIVERGING,
+    FIRST_LEFT_OUT,
     figure,
     heat_height,
     heatmap,
@@ -22,8 +23,10 @@ from .figures import (
     position_figure,
     positions,
     reversed_axis,
-    robust_top,
+    robust_range,
     rows_figure,
+    with_outliers,
+    without_first,
 )
 from .tokens import token_texts
 
@@ -125,20 +128,24 @@ def embedded_stream_figure(z: np.ndarray, d: int, labels: list[str]) -> go.Figur
     )
 
 
-def block_updates_figure(df: pd.DataFrame, block: int) -> go.Figure:
+def block_updates_figure(df: pd.DataFrame, block: int, skip_first: bool = False) -> go.Figure:
+    """Bars on a scale that stops above the bulk (the first token's stream often dwarfs the rest), the
+    positions beyond it marked; ``skip_first`` leaves position 0 out."""
     series = [
         ("bar", "attention update", "|attention update|", COLORS["attention"]),
         ("bar", "FFN update", "|FFN update|", COLORS["ffn"]),
         ("line", "stream", "|x_n| (stream in)", COLORS["stream"]),
     ]
-    title = f"Block {block}: update sizes per position"
-    return position_figure(df, series, title, {"title": {"text": "L2 norm"}}, barmode="group")
+    title = f"Block {block}: update sizes per position" + (FIRST_LEFT_OUT if skip_first else "")
+    shown = df.iloc[1:] if skip_first else df
+    return position_figure(shown, series, title, {"title": {"text": "L2 norm"}}, robust="L2 norm", barmode="group")
 
 
-def mlp_update_figure(df: pd.DataFrame, block: int) -> go.Figure:
+def mlp_update_figure(df: pd.DataFrame, block: int, skip_first: bool = False) -> go.Figure:
     series = [("bar", "FFN update", "|MLP update|", COLORS["dense"]), ("line", "stream", "|x_n| (stream in)", COLORS["stream"])]
-    title = f"Block {block}: size of the dense MLP's update per position"
-    return position_figure(df, series, title, {"title": {"text": "L2 norm"}})
+    title = f"Block {block}: size of the dense MLP's update per position" + (FIRST_LEFT_OUT if skip_first else "")
+    shown = df.iloc[1:] if skip_first else df
+    return position_figure(shown, series, title, {"title": {"text": "L2 norm"}}, robust="L2 norm")
 
 
 def norm_rms_figure(df: pd.DataFrame, block: int) -> go.Figure:
@@ -151,15 +158,16 @@ def norm_rms_figure(df: pd.DataFrame, block: int) -> go.Figure:
     return position_figure(df, series, f"Block {block}: the stream's RMS at each norm", yaxis)
 
 
-def residual_norms_figure(g: ResidualGrids, labels: list[str]) -> go.Figure:
+def residual_norms_figure(g: ResidualGrids, labels: list[str], skip_first: bool = False) -> go.Figure:
     """The stream's norm; a scale that stops below a dominating token (the first position's stream is
-    often hundreds of times the rest), its cells marked and named in the title."""
-    top, outliers = robust_top(g.norm)
-    heat = heatmap(g.norm, g.rows, "%{y}<br>position %{x}<br>|x| = %{z:.3f}", x=labels, scale="|x|")
-    if top is not None:
-        heat.update(zmin=float(np.nanmin(g.norm)), zmax=top, text=np.where(outliers, "▲", ""), texttemplate="%{text}")
-    title = "Residual stream norm |x| per layer and position" + outlier_note(g.norm, outliers, labels, "|x|")
-    return rows_figure([heat], g.rows, title, positions(labels, "position"), lo=380, per=34)
+    often hundreds of times the rest), its cells marked and named in the title; ``skip_first`` leaves
+    position 0 out of the colours."""
+    z = without_first(g.norm) if skip_first else g.norm
+    scale = robust_range(z)
+    heat = heatmap(z, g.rows, "%{y}<br>position %{x}<br>|x| = %{z:.3f}", x=labels)
+    title = "Residual stream norm |x| per layer and position" + (FIRST_LEFT_OUT if skip_first else "")
+    title += outlier_note(z, scale.outliers, labels, "|x|")
+    return rows_figure([with_outliers(heat, scale, "|x|")], g.rows, title, positions(labels, "position"), lo=380, per=34)
 
 
 def residual_cosine_figure(g: ResidualGrids, labels: list[str]) -> go.Figure:
