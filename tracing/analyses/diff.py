@@ -26,6 +26,7 @@ from ..tables.frames import _names
 from ..trace import Trace
 
 _STREAM = ("resid_pre", "resid_mid", "resid_post")
+_ROWS = 64  # positions of logits compared at once
 
 
 def check_shapes(a: ModelArgs, b: ModelArgs, what: str = "the traces come from models") -> None:
@@ -188,14 +189,19 @@ def logits_diff(a: Trace, b: Trace) -> pd.DataFrame:
         return pd.DataFrame()
     ia, ib = _rows(a, b)
     where = _positions(a, b, ia, ib)
-    la = a["logits.all"][ia].double().log_softmax(-1)  # (T, V)
-    lb = b["logits.all"][ib].double().log_softmax(-1)
-    top_a, top_b = la.argmax(-1).numpy(), lb.argmax(-1).numpy()
+    kl, top_a, top_b = [], [], []
+    for start in range(0, len(ia), _ROWS):  # float64 (rows, V) at a time: a long prompt's logits would not fit twice
+        la = a["logits.all"][ia[start : start + _ROWS]].double().log_softmax(-1)  # (rows, V)
+        lb = b["logits.all"][ib[start : start + _ROWS]].double().log_softmax(-1)
+        kl.append((la.exp() * (la - lb)).sum(-1).numpy())
+        top_a.append(la.argmax(-1).numpy())
+        top_b.append(lb.argmax(-1).numpy())
+    kl, top_a, top_b = (np.concatenate(v) for v in (kl, top_a, top_b))
     frame = pd.DataFrame(
         {
             "position": where["position"],
             "token": where["token"],
-            "kl": (la.exp() * (la - lb)).sum(-1).numpy(),
+            "kl": kl,
             "top1_a": _names(a, top_a),
             "top1_b": _names(b, top_b),
             "agree": top_a == top_b,
@@ -357,7 +363,7 @@ def trace_checkpoints(
     from model.checkpoint import SafetensorsSource
 
     from ..cli.loading import open_checkpoint, resolve_checkpoint
-    from ..runner import encode, run
+    from ..runner import check_token_ids, encode, run
     from ..tokenizer import Tokenizer
 
     request = request.check()
@@ -376,6 +382,8 @@ def trace_checkpoints(
         *([t.vocab_size for t in tokenizers] if both else [None, None]),
         *([t.token_strings(i) for t, i in zip(tokenizers, ids, strict=True)] if both else [None, None]),
     )
+    for config, prompt_ids in zip(configs, ids, strict=True):
+        check_token_ids(prompt_ids, config)  # the context length, before any model loads
     traces = []
     for which, directory in enumerate(directories):
         loaded = open_checkpoint(directory, device, dtype, stream, mtp=False)
