@@ -17,6 +17,8 @@ functions through it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass, field
 
@@ -64,6 +66,38 @@ def act_quant(x: torch.Tensor, scale_fmt: str | None = None) -> tuple[torch.Tens
     scale = act_scale(blocks.abs().amax(dim=-1), scale_fmt)  # (..., K/128)
     y = torch.div(blocks, scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # divided in float32
     return y.reshape(x.shape), scale
+
+
+# False inside unrounded_activations: per thread (and per context), so a model shared by several
+# threads rounds in every pass but the ones that asked it not to
+_ROUND_ACTIVATIONS: contextvars.ContextVar[bool] = contextvars.ContextVar("round_activations", default=True)
+
+
+def rounds_activations() -> bool:
+    """Whether FP8 products round their input activations, as the reference always does."""
+    return _ROUND_ACTIVATIONS.get()
+
+
+@contextlib.contextmanager
+def unrounded_activations():
+    """The forward passes this thread runs here take their activations unrounded, as a reference
+    that does not quantise them would (DeepSeek-V3's ``gemm_impl="bf16"``: ``weight_dequant``, then
+    ``F.linear``): FP8 products multiply x by the weight dequantised to x's dtype, the indexer's q
+    and k stay in the activation dtype, the MLA latent skips its FP8 simulation. The weights are
+    the same FP8 codes times their scales; only the activations' rounding is gone."""
+    token = _ROUND_ACTIVATIONS.set(False)
+    try:
+        yield
+    finally:
+        _ROUND_ACTIVATIONS.reset(token)
+
+
+def quantised(x: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant(x) (the indexer's FP8 q and k), or x itself with unit scales (..., 1) where
+    activations are not rounded (:func:`unrounded_activations`)."""
+    if rounds_activations():
+        return act_quant(x, scale_fmt)
+    return x, torch.ones(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
 
 
 def fake_quant(x: torch.Tensor, scale_fmt: str | None = None) -> torch.Tensor:
@@ -150,6 +184,19 @@ class Rounded:
 
     def _with(self, take) -> Rounded:
         return Rounded(take(self.codes), take(self.scale), self.dtype, self.pow2, {d: take(v) for d, v in self.made.items()})
+
+
+def rounded(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor | Rounded:
+    """x as FP8 products read it: rounded (:class:`Rounded`, to share among the products of one
+    input), or x itself where activations are not rounded (:func:`unrounded_activations`)."""
+    return Rounded.of(x, scale_fmt) if rounds_activations() else x
+
+
+def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x times the FP8 ``weight`` dequantised to x's dtype, x unrounded: the product of a reference
+    that does not quantise its activations (:func:`unrounded_activations`)."""
+    form = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    return F.linear(x.to(form), weight_dequant(weight, scale, x.dtype).to(form)).to(x.dtype)
 
 
 def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:

@@ -63,8 +63,8 @@ class Indexer(nn.Module):
         k_pe, k_nope = torch.split(k, [self.rope_head_dim, self.head_dim - self.rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis, interleaved=False).squeeze(2)
         k = torch.cat([k_pe, k_nope], dim=-1)
-        q_fp8, q_scale = fp8.act_quant(hadamard(q), self.scale_fmt)  # (B, T, H, D), (B, T, H, 1)
-        k_fp8, k_scale = fp8.act_quant(hadamard(k), self.scale_fmt)  # (B, T, D), (B, T, 1)
+        q_fp8, q_scale = fp8.quantised(hadamard(q), self.scale_fmt)  # (B, T, H, D), (B, T, H, 1)
+        k_fp8, k_scale = fp8.quantised(hadamard(k), self.scale_fmt)  # (B, T, D), (B, T, 1)
         if cache is not None:
             k_fp8 = cache.index_k.write(start_pos, k_fp8)  # (B, S, D)
             k_scale = cache.index_k_scale.write(start_pos, k_scale)  # (B, S, 1)

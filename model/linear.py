@@ -37,8 +37,9 @@ class Linear(nn.Module):
 
     def rounded(self, x: torch.Tensor) -> torch.Tensor | fp8.Rounded:
         """x as this layer's product reads it: rounded through FP8 for FP8 weights (fp8.Rounded, to
-        hand to the other FP8 products of the same input: rows round independently), else x itself."""
-        return x if self.scale is None else fp8.Rounded.of(x, self.scale_fmt)
+        hand to the other FP8 products of the same input: rows round independently), else x itself
+        (also inside fp8.unrounded_activations)."""
+        return x if self.scale is None else fp8.rounded(x, self.scale_fmt)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (what the reference's ``weight_dequant`` gives for the MQA decode)."""

@@ -168,7 +168,7 @@ class MoE(nn.Module):
         x = x.view(-1, self.dim)  # (N, D)
         weights, indices = self.gate(x)
         # FP8 products round their input per row: x once, for every routed expert and the shared one
-        rounded = fp8.Rounded.of(x, self.scale_fmt) if self.fp8 else None
+        rounded = fp8.rounded(x, self.scale_fmt) if self.fp8 else None
         y = self.routed_out(self.route(x, weights, indices, rounded))
         y = y + self.shared_out(self.shared_experts(x if rounded is None else rounded))
         return y.type_as(x).view(shape)
@@ -186,7 +186,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()  # rows per expert
         tokens = order // k
         if self.fp8 and rounded is None:
-            rounded = fp8.Rounded.of(x, self.scale_fmt)
+            rounded = fp8.rounded(x, self.scale_fmt)
         out = self.run_experts(x if rounded is None else rounded, tokens, counts, x.dtype)  # (N * k, D)
         # regroup by token, each token's experts in ascending order (the order they are added in)
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)

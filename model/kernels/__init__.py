@@ -61,8 +61,11 @@ def linear(
     x: torch.Tensor | plain_fp8.Rounded, weight: torch.Tensor, scale: torch.Tensor | None = None, scale_fmt: str | None = None
 ) -> torch.Tensor:
     """y = x W^T, the reference's ``linear``: an FP8 weight's product rounds x through FP8 first
-    (model.fp8.fp8_gemm; x may come rounded already), another weight multiplies x in x's dtype."""
+    (model.fp8.fp8_gemm; x may come rounded already), another weight multiplies x in x's dtype.
+    Inside model.fp8.unrounded_activations an FP8 weight's product takes x unrounded."""
     if scale is not None:
+        if not isinstance(x, plain_fp8.Rounded) and not plain_fp8.rounds_activations():
+            return _fp8.unrounded_gemm(x, weight, scale) if _on(weight) else plain_fp8.unrounded_gemm(x, weight, scale)
         return _fp8.fp8_gemm(x, weight, scale, scale_fmt) if _on(weight) else plain_fp8.fp8_gemm(x, weight, scale, scale_fmt)
     if not _on(weight):
         return F.linear(x, weight.to(x.dtype))
@@ -82,7 +85,9 @@ def weight_dequant(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torc
 
 
 def fake_quant(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
-    """x rounded through FP8 and back (model.fp8.fake_quant)."""
+    """x rounded through FP8 and back (model.fp8.fake_quant); x itself inside model.fp8.unrounded_activations."""
+    if not plain_fp8.rounds_activations():
+        return x
     return _fp8.fake_quant(x, scale_fmt) if _on(x) else plain_fp8.fake_quant(x, scale_fmt)
 
 
@@ -96,8 +101,9 @@ def fp8_index(
 ) -> torch.Tensor:
     """The indexer's scores (model.fp8.fp8_index). ``causal_from``: the scores get a prefill's causal mask
     added after (query m sees keys up to causal_from + m), so the CPU route may leave the masked
-    ones at -inf uncomputed; ``q_scale``: q's act_quant scales, which spare it reading the codes."""
-    if _on(q):
+    ones at -inf uncomputed; ``q_scale``: q's act_quant scales, which spare it reading the codes.
+    q and k unrounded (model.fp8.quantised inside unrounded_activations) take the plain function."""
+    if _on(q) and q.dtype == plain_fp8.FP8:
         return _fp8.fp8_index(q, weights_, k, k_scale, causal_from, q_scale)
     return plain_fp8.fp8_index(q, weights_, k, k_scale)
 

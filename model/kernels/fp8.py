@@ -117,6 +117,19 @@ def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tenso
     return products.linear(values(r, compute), w, packed(weight, w, compute)).to(r.dtype)  # values on the FP8 grid
 
 
+def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """model.fp8.unrounded_gemm: x times the weight dequantised to x's dtype (kept), in the CPU's
+    product dtype. With power-of-two weight scales that dequantised weight is exact, so the normal
+    products' copy serves (the same values widened)."""
+    compute = products.product_dtype(x.dtype)
+    if weights.kept(scale, ("pow2",), lambda: fp8.is_pow2(scale)):
+        w = dequantized(weight, scale, compute)
+    else:  # rounded to x's dtype first, as the reference's weight_dequant; widening it is exact
+        w = dequantized(weight, scale, x.dtype)
+        w = w if w.dtype == compute else weights.kept(weight, ("unrounded", compute), lambda: w.to(compute))
+    return products.linear(x.to(compute), w, packed(weight, w, compute)).to(x.dtype)
+
+
 def blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """model.fp8.blockwise, each block's product threaded, the FP8 codes decoded by table."""
     m, k = codes.shape

@@ -45,7 +45,8 @@ def experts(modules, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, counts
     a = fast_fp8.values(x, prepared.dtype) if isinstance(x, fp8.Rounded) else x.to(prepared.dtype)
     a = products.gather(a, tokens)  # (N k, D)
     rows = a.split(counts)  # each expert's rows
-    rounds = modules[0].w2.scale is not None  # an FP8 w2 reads its input rounded through FP8
+    # an FP8 w2 reads its input rounded through FP8 (read here: the parts may run on helper threads)
+    rounds = modules[0].w2.scale is not None and fp8.rounds_activations()
     scale_fmt = modules[0].w2.scale_fmt
     w = prepared
 
