@@ -64,6 +64,7 @@ from . import fp8
 from .checkpoint import TensorReader, WeightSource, build_model, validate
 from .linear import Linear
 from .moe import MLP, MoE
+from .moe_v3 import MoEV3
 from .names import to_hf
 from .transformer import Embedding, Transformer
 
@@ -148,6 +149,10 @@ class ExpertParallelMoE(MoE):
     def gather_slots(self, contrib: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(contrib, group=self.group)
         return contrib
+
+
+class ExpertParallelMoEV3(ExpertParallelMoE, MoEV3):
+    """Routed experts split over ranks, with DeepSeek-V3's arithmetic (a model without the indexer)."""
 
 
 def _swap(module: nn.Module, cls: type, **attrs: Any) -> None:
@@ -267,7 +272,7 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
             for j in range(len(moe.experts)):
                 if j not in plan.experts:
                     moe.experts[j] = None
-            _swap(moe, ExpertParallelMoE, group=group)
+            _swap(moe, ExpertParallelMoEV3 if isinstance(moe, MoEV3) else ExpertParallelMoE, group=group)
             if f"layers.{i}.ffn.shared_experts.w2.weight" in plan.parts:
                 _swap(moe.shared_experts.w2, RowParallelLinear, group=group)
         elif f"layers.{i}.ffn.w2.weight" in plan.parts:

@@ -1,9 +1,12 @@
-"""DeepSeek-V3.2-Exp: embedding, blocks of MLA + (dense MLP | MoE), final norm and head.
+"""DeepSeek-V3.2-Exp: embedding, blocks of MLA + (dense MLP | MoE), final norm and head; without
+the indexer, DeepSeek-V3 (R1, V3.1) as V3's own reference computes it.
 
 Shapes: B batch, T positions, D dim, V vocabulary.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,7 @@ from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
 from .moe import MLP, MoE
+from .moe_v3 import to_v3
 from .mtp import MTP
 from .norm import RMSNorm
 from .rope import precompute_freqs_cis
@@ -50,13 +54,17 @@ class Block(nn.Module):
         linear = fp8.linear_dtype(args.dtype, weight_dtype)
         self.layer_id = layer_id
         self.dtype = dtype  # activations between the float32 sums
+        self.v3 = not args.has_indexer  # V3's block: x + attn(norm(x)) in the activation dtype
         self.attn = MLA(args, weight_dtype)
         if layer_id < args.n_dense_layers:
             self.ffn = MLP(args.dim, args.inter_dim, linear, args.scale_fmt)
         else:
             self.ffn = MoE(args, weight_dtype)
+        if self.v3:
+            to_v3(self.ffn)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm.v3 = self.ffn_norm.v3 = self.v3
         self.resid_pre = HookPoint("B T D")  # x_n, the stream entering the block (float32 sum)
         self.attn_out = HookPoint("B T D")  # the attention update
         self.resid_mid = HookPoint("B T D")  # x'_n = x_n + attention update (float32 sum)
@@ -74,6 +82,8 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the previous block's FFN update, or the stream itself when residual is None.
         Returns this block's FFN update and the stream it updates, as it received them."""
+        if self.v3:
+            return self._forward_v3(x, residual, start_pos, freqs_cis, mask, cache)
         x, residual = add_norm(self.attn_norm, self.resid_pre, x, residual, self.dtype)
         x = self.attn_out(self.attn(x, start_pos, freqs_cis, mask, cache))
         x, residual = add_norm(self.ffn_norm, self.resid_mid, x, residual, self.dtype)
@@ -83,6 +93,28 @@ class Block(nn.Module):
             if (patched := self.resid_post(stream)) is not stream:
                 return _like(patched, stream), None
         return x, residual
+
+    def _forward_v3(self, x, residual, start_pos, freqs_cis, mask, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """V3's reference block, ``x = x + attn(attn_norm(x)); x = x + ffn(ffn_norm(x))``: the adds
+        in the activation dtype, the norms V3's (RMSNorm.v3). The stream points see it widened to float32."""
+        stream = _seen(self.resid_pre, x if residual is None else x + residual)  # (B, T, D)
+        stream = _seen(
+            self.resid_mid, stream + self.attn_out(self.attn(self.attn_norm(stream), start_pos, freqs_cis, mask, cache))
+        )
+        x = self.ffn_out(self.ffn(self.ffn_norm(stream)))
+        if self.resid_post.observed:
+            after = x + stream
+            if (patched := _seen(self.resid_post, after)) is not after:
+                return patched, None
+        return x, stream
+
+
+def _seen(point: HookPoint, stream: torch.Tensor) -> torch.Tensor:
+    """A stream in the activation dtype through its hook point (float32, exact); a replacement is rounded back."""
+    wide = stream.float()
+    if (patched := point(wide)) is not wide:
+        return _like(patched, wide).to(stream.dtype)
+    return stream
 
 
 def add_norm(
@@ -129,9 +161,11 @@ class Transformer(nn.Module):
         self.mtp_skipped = bool(args.n_mtp_layers) and not mtp
         self.args = args = args.replace(n_mtp_layers=0) if self.mtp_skipped else args
         self.dtype = dtype
+        self.v3 = not args.has_indexer
         self.embed = Embedding(args.vocab_size, args.dim, weight_dtype)
         self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype) for i in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm.v3 = self.v3
         # float32 as the reference holds it (the checkpoint stores bf16): logits are formed in float32
         self.head = Linear(args.dim, args.vocab_size, torch.float32)
         self.logits = nn.Module()
@@ -153,29 +187,39 @@ class Transformer(nn.Module):
         mtp: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``mtp``: also run the MTP module and return (logits, its draft logits) (:meth:`draft`);
-        it runs, without being returned, whenever a hook observes it (a trace of its sites)."""
-        seqlen = tokens.size(1)
-        end_pos = start_pos + seqlen
-        if cache is None and start_pos:
-            raise ValueError(f"start_pos {start_pos}: a decode step continues the Cache (new_cache()) of the earlier positions")
-        device = tokens.device
-        freqs_cis = precompute_freqs_cis(self.args, end_pos, device, start=start_pos)
-        # the reference masks only when several positions run at once; one position sees all keys
-        mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
-        h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, start_pos, freqs_cis, mask, None if cache is None else cache.layers[i])
-        h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
-        if all_logits:
-            logits = self.logits.all(self.head(h.float()))  # (B, T, V)
-            self.logits.last(logits[:, -1])
-        else:
-            logits = self.logits.last(self.head(h[:, -1].float()))  # (B, V)
-        if self.mtp and (mtp or self.mtp[0].logits.observed):
-            drafts = self.draft(tokens, h, logits[:, -1] if all_logits else logits, start_pos, cache)
-            if mtp:
-                return logits, drafts
-        return logits
+        it runs, without being returned, whenever a hook observes it (a trace of its sites).
+
+        Without the indexer every product is V3's ``gemm_impl="bf16"`` one (model.fp8.unrounded_activations)."""
+        with fp8.unrounded_activations() if self.v3 else contextlib.nullcontext():
+            seqlen = tokens.size(1)
+            end_pos = start_pos + seqlen
+            if cache is None and start_pos:
+                raise ValueError(
+                    f"start_pos {start_pos}: a decode step continues the Cache (new_cache()) of the earlier positions"
+                )
+            device = tokens.device
+            freqs_cis = precompute_freqs_cis(self.args, end_pos, device, start=start_pos)
+            # the reference masks only when several positions run at once; one position sees all keys
+            mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
+            h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
+            for i, layer in enumerate(self.layers):
+                h, residual = layer(h, residual, start_pos, freqs_cis, mask, None if cache is None else cache.layers[i])
+            if self.v3:  # V3's head is a bfloat16 product: logits rounded to the activation dtype, then widened
+                h = self.norm(h if residual is None else h + residual)
+                wide = h
+            else:
+                h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
+                wide = h.float()
+            if all_logits:
+                logits = self.logits.all(self.head(wide).float())  # (B, T, V)
+                self.logits.last(logits[:, -1])
+            else:
+                logits = self.logits.last(self.head(wide[:, -1]).float())  # (B, V)
+            if self.mtp and (mtp or self.mtp[0].logits.observed):
+                drafts = self.draft(tokens, h, logits[:, -1] if all_logits else logits, start_pos, cache)
+                if mtp:
+                    return logits, drafts
+            return logits
 
     def draft(
         self, tokens: torch.Tensor, h: torch.Tensor, last: torch.Tensor, start_pos: int, cache: Cache | None
