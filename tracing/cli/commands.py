@@ -346,7 +346,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         vocab_size=config.vocab_size,
         n_routed_experts=config.n_routed_experts,
         n_activated_experts=config.n_activated_experts,
-        index_topk=config.index_topk,
+        index_topk=config.index_topk if config.has_indexer else None,  # None: no indexer (DeepSeek-V3 layout)
         dtype=config.dtype,
         config=config.to_reference(),
         **kernels.describe(),
