@@ -492,22 +492,31 @@ def load_model(
     MoE block)."""
     if not isinstance(source, WeightSource):
         source = SafetensorsSource(source)
-    if mtp and not has_mtp(source):
-        raise CheckpointError(f"{source.where('config.json')}: the checkpoint holds no multi-token-prediction module")
-    model = build_model(source.args, dtype, mtp=has_mtp(source) if mtp is None else mtp)
+    model = build_model(source.args, dtype, mtp=wants_mtp(source, mtp))
     needed = set(validate(model, source))
     _check_memory(source, needed, device)
     _warn_unused(source, needed)
     materialize(model, source, device)
-    _check_mtp_copies(model, source)
+    check_mtp_copies(model, source)
     return model.eval()
 
 
-def _check_mtp_copies(model: Transformer, source: WeightSource) -> None:
-    """The MTP module reads the main embedding and head: the checkpoint's copies must be those."""
+def wants_mtp(source: WeightSource, mtp: bool | None) -> bool:
+    """Whether to build the MTP module: ``mtp`` None means when the checkpoint holds one."""
+    if mtp and not has_mtp(source):
+        raise CheckpointError(f"{source.where('config.json')}: the checkpoint holds no multi-token-prediction module")
+    return has_mtp(source) if mtp is None else mtp
+
+
+def check_mtp_copies(model: Transformer, source: WeightSource, parts: Mapping[str, Part] | None = None) -> None:
+    """The MTP module reads the main embedding and head: the checkpoint's copies must be those (a
+    rank compares its ``parts`` of them: the ranks together compare every row)."""
     for name in mtp_copies(model):
-        copy, main = to_hf(name, source.args.n_layers), to_hf(name.split(".", 2)[2])
-        if copy in source.specs() and not torch.equal(source.load(copy), source.load(main)):
+        ours = name.split(".", 2)[2]
+        copy, main = to_hf(name, source.args.n_layers), to_hf(ours)
+        part = (parts or {}).get(ours)
+        read = source.load if part is None else (lambda n, p=part: source.load_slice(n, p.dim, p.start, p.stop))
+        if copy in source.specs() and not torch.equal(read(copy), read(main)):
             raise CheckpointError(
                 f"{source.where(copy)}: {copy} differs from {main}: an MTP module with its own embedding or head is"
                 " not supported (load without the MTP module: --no-mtp)"

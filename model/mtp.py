@@ -21,7 +21,6 @@ tensors; the loader checks them). The module holds no state of a run: its keys l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache import LayerCache
@@ -67,11 +66,12 @@ class MTP(nn.Module):
     ) -> torch.Tensor:
         """hidden: (B, T, D) the main model's normalised states at positions start_pos..start_pos+T-1;
         next_tokens: (B, T) the token after each. Returns float32 logits (B, T, V) of the token after
-        that. The embedding and head run as plain functions, so hooks on the main model's own
-        modules (the logit lens, next-token sites) see only the main model's pass."""
+        that. The embedding and head run as their classes' forward without hooks, so hooks on the main
+        model's own modules (the logit lens, next-token sites) see only the main model's pass, and a
+        rank's vocabulary-parallel part (model.parallel) gathers as in the main pass."""
         seqlen = hidden.size(1)
         end_pos = start_pos + seqlen
-        e = F.embedding(next_tokens, embed.weight).to(self.dtype)  # (B, T, D)
+        e = type(embed).forward(embed, next_tokens).to(self.dtype)  # (B, T, D); over ranks its vocabulary part, summed
         x = torch.cat([self.enorm(e, self.dtype), self.hnorm(hidden, self.dtype)], dim=-1)  # (B, T, 2D)
         x = self.eh_proj(x)  # (B, T, D): h'_t
         freqs_cis = precompute_freqs_cis(self.args, end_pos, hidden.device, start=start_pos)

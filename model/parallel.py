@@ -19,6 +19,9 @@ What is split, as the reference's ``inference/model.py`` (world size W, rank r):
 - Dense MLP: ``w1``, ``w3`` column-split, ``w2`` row-split with the all-reduce.
 - MoE: routed experts split by index (rank r holds a contiguous range, the others are None);
   the gate is replicated; the shared expert is split like the dense MLP.
+- The MTP module's block (``mtp.0.block``, the checkpoint's layer n_layers) is split as a main
+  block; its ``enorm``, ``hnorm``, ``eh_proj`` and ``norm`` are replicated, and it reads the main
+  embedding and head through their parallel forwards.
 - Embedding vocab-parallel (out-of-range ids give zero rows, then an all-reduce; exact), head
   column-split over the vocabulary with an all-gather of the logits; both replicated when the
   vocabulary does not divide by W.
@@ -61,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fp8
-from .checkpoint import TensorReader, WeightSource, build_model, validate
+from .checkpoint import TensorReader, WeightSource, build_model, check_mtp_copies, validate, wants_mtp
 from .linear import Linear
 from .moe import MLP, MoE
 from .moe_v3 import MoEV3
@@ -184,6 +187,13 @@ def _linear_parts(prefix: str, linear: Linear, dim: int, rank: int, world: int) 
     return parts
 
 
+def _blocks(model: Transformer) -> list[tuple[int, str, nn.Module]]:
+    """(index, module path, block) of every block split alike: the main ones, then the MTP module's,
+    numbered n_layers + j as the checkpoint numbers it (``split_attention``, :func:`gather_heads`)."""
+    found = [(i, f"layers.{i}", block) for i, block in enumerate(model.layers)]
+    return found + [(len(model.layers) + j, f"mtp.{j}.block", m.block) for j, m in enumerate(model.mtp)]
+
+
 def make_plan(model: Transformer, rank: int, world: int, strict: bool = False) -> ParallelPlan:
     """Which part of each parameter rank ``rank`` of ``world`` holds (no collectives, no changes)."""
     args = model.args
@@ -204,7 +214,7 @@ def make_plan(model: Transformer, rank: int, world: int, strict: bool = False) -
             plan.parts.update(_linear_parts(f"{prefix}.{name}", getattr(mlp, name), dim, rank, world))
         return True
 
-    for i, block in enumerate(model.layers):
+    for i, prefix, block in _blocks(model):
         attn = block.attn
         is_fp8 = attn.wq_b.scale is not None
         why = None if attn.n_heads % world == 0 else f"{attn.n_heads} heads do not divide by {world} ranks"
@@ -219,15 +229,15 @@ def make_plan(model: Transformer, rank: int, world: int, strict: bool = False) -
                     why = f"{what}: {n} per rank is not a multiple of the {fp8.BLOCK}-wide FP8 scale block"
                     break
         if why:
-            note(f"layers.{i}.attn", why)
+            note(f"{prefix}.attn", why)
         else:
             plan.split_attention.append(i)
             for name, dim in (("wq_b", 0), ("wkv_b", 0), ("wo", 1)):
-                plan.parts.update(_linear_parts(f"layers.{i}.attn.{name}", getattr(attn, name), dim, rank, world))
+                plan.parts.update(_linear_parts(f"{prefix}.attn.{name}", getattr(attn, name), dim, rank, world))
         if isinstance(block.ffn, MoE):
-            split_mlp(f"layers.{i}.ffn.shared_experts", block.ffn.shared_experts)
+            split_mlp(f"{prefix}.ffn.shared_experts", block.ffn.shared_experts)
         else:
-            split_mlp(f"layers.{i}.ffn", block.ffn)
+            split_mlp(f"{prefix}.ffn", block.ffn)
     n = args.n_routed_experts
     plan.experts = range(n * rank // world, n * (rank + 1) // world)
     if args.vocab_size % world:
@@ -263,7 +273,7 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
     for m in model.modules():  # shapes the forward reads from attributes
         if isinstance(m, Linear):
             m.out_features, m.in_features = m.weight.shape
-    for i, block in enumerate(model.layers):
+    for i, prefix, block in _blocks(model):
         if i in plan.split_attention:
             block.attn.n_heads //= world  # local heads, the reference's n_local_heads
             _swap(block.attn.wo, RowParallelLinear, group=group)
@@ -273,9 +283,9 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
                 if j not in plan.experts:
                     moe.experts[j] = None
             _swap(moe, ExpertParallelMoEV3 if isinstance(moe, MoEV3) else ExpertParallelMoE, group=group)
-            if f"layers.{i}.ffn.shared_experts.w2.weight" in plan.parts:
+            if f"{prefix}.ffn.shared_experts.w2.weight" in plan.parts:
                 _swap(moe.shared_experts.w2, RowParallelLinear, group=group)
-        elif f"layers.{i}.ffn.w2.weight" in plan.parts:
+        elif f"{prefix}.ffn.w2.weight" in plan.parts:
             _swap(block.ffn.w2, RowParallelLinear, group=group)
     if "embed.weight" in plan.parts:
         part = plan.parts["embed.weight"]
@@ -290,7 +300,7 @@ def materialize_parallel(model: Transformer, source: WeightSource, plan: Paralle
     try:
         validate(model, source, parts=plan.parts)
         for name, param in list(model.named_parameters()):
-            tensor = reader.read(to_hf(name), device, plan.parts.get(name)).to(param.dtype)
+            tensor = reader.read(to_hf(name, model.args.n_layers), device, plan.parts.get(name)).to(param.dtype)
             *path, leaf = name.split(".")
             model.get_submodule(".".join(path))._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         return reader.bytes_read
@@ -304,11 +314,14 @@ def load_parallel(
     dtype: torch.dtype = torch.bfloat16,
     group: Any = None,
     strict: bool = False,
+    mtp: bool | None = None,
 ) -> tuple[Transformer, ParallelPlan]:
-    """This rank's part of the model, ready to run: build on meta, split, read only this part."""
-    model = build_model(source.args, dtype)
+    """This rank's part of the model, ready to run: build on meta, split, read only this part.
+    ``mtp``: the checkpoint's MTP module, split like a block (None: when the checkpoint has one)."""
+    model = build_model(source.args, dtype, mtp=wants_mtp(source, mtp))
     plan = parallelize(model, group, strict)
     materialize_parallel(model, source, plan, device)
+    check_mtp_copies(model, source, plan.parts)
     return model.eval(), plan
 
 

@@ -8,7 +8,10 @@ parameters back, which frees the weights. The embedding, the final norm and the 
 streamed the same way. In a MoE block the routed experts are not part of the block's load: a
 hook on the router reads which experts it picked, and a pre-hook on each of those experts loads
 it just before the MoE loop calls it (the loop skips experts with no tokens, so unpicked experts
-are never read); after it ran it is freed.
+are never read); after it ran it is freed. The multi-token-prediction module (``model.mtp``, when
+the model was built with it) is one more step after the head, streamed like a block with its
+experts, and only in a forward that runs it (``mtp=True`` or its sites observed): the head stays
+loaded for it and the embedding is read again, since it reads both.
 
 Because the same module objects run the same code, logits and every hook point's value are
 identical to those of the fully loaded model, and hooks registered by name (tracing) fire as
@@ -101,7 +104,7 @@ class StreamStats:
     wait_seconds: float = 0.0  # time the forward stood waiting for weights
     wall_seconds: float = 0.0
     peak_resident_bytes: int = 0  # weights loaded and not yet freed, at most at once
-    units: dict[str, UnitStats] = field(default_factory=dict)  # embed, layers.N, norm, head
+    units: dict[str, UnitStats] = field(default_factory=dict)  # embed, layers.N, norm, head, mtp.0
     reads: Counter[str] = field(default_factory=Counter)  # checkpoint name -> times read
 
     @property
@@ -124,11 +127,11 @@ class StreamStats:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """Progress after each streamed step (the embedding, each block, the head)."""
+    """Progress after each streamed step (the embedding, each block, the head, the MTP module)."""
 
     step: int  # 1-based
-    total: int  # n_layers + 2
-    name: str  # "embed", "layers.7", "head"
+    total: int  # n_layers + 2, and one more for the MTP module when it runs
+    name: str  # "embed", "layers.7", "head", "mtp.0"
     bytes_read: int  # so far, read-ahead included
     seconds: float  # since the stream started
     unit: UnitStats
@@ -197,6 +200,11 @@ class Streamer:
         self._chain: list[_Unit] = []
         self._experts: dict[tuple[int, int], _Unit] = {}
         self._block_experts: dict[int, list[_Unit]] = {}
+        self._owners: dict[int, str] = {}  # block index -> the unit its experts' figures go to
+        self._gates: list[tuple[int, nn.Module]] = []
+        self._n_layers = model.args.n_layers
+        self._head_k = self._mtp_k = None  # the head's and the MTP module's places in the chain
+        self._drafting = False  # whether this forward runs the MTP module (Transformer.forward's condition)
         self._pending: dict[str, Any] = {}
         self._queued: dict[int, deque[int]] = {}
         self._resident: dict[str, int] = {}
@@ -218,16 +226,12 @@ class Streamer:
         validate(self.model, self.source, parts=self.parts)
         self._chain = [self._unit("embed", model.embed)]
         for i, block in enumerate(model.layers):
-            unit = self._unit(f"layers.{i}", block, skip=".ffn.experts.")
-            unit.block = i
-            self._chain.append(unit)
-            if isinstance(block.ffn, MoE):
-                for j, expert in enumerate(block.ffn.experts):
-                    if expert is not None:
-                        self._experts[i, j] = eu = self._unit(f"layers.{i}.ffn.experts.{j}", expert)
-                        eu.block = i
-                        self._block_experts.setdefault(i, []).append(eu)
+            self._chain.append(self._block_unit(f"layers.{i}", i, block, block, f"layers.{i}"))
         self._chain += [self._unit("norm", model.norm), self._unit("head", model.head)]
+        self._head_k = len(self._chain) - 1
+        for j, module in enumerate(model.mtp):  # after the head: it reads the main embedding and head
+            self._mtp_k = len(self._chain)
+            self._chain.append(self._block_unit(f"mtp.{j}", self._n_layers + j, module, module.block, f"mtp.{j}.block"))
         try:
             self._check_memory()
         except CheckpointError:
@@ -238,13 +242,14 @@ class Streamer:
             module = model.get_submodule(unit.name)
             hooks.before(module, self._pre_hook(k), prepend=True)
             hooks.after(module, self._post_hook(k))
-        for i, j in self._experts:
-            expert = model.layers[i].ffn.experts[j]
+        for (i, j), unit in self._experts.items():
+            expert = model.get_submodule(unit.name)
             hooks.before(expert, self._expert_pre_hook(i, j), prepend=True)
             hooks.after(expert, self._expert_post_hook(i, j))
-        for i, block in enumerate(model.layers):
-            if isinstance(block.ffn, MoE):
-                hooks.after(block.ffn.gate, self._gate_hook(i))
+        for i, gate in self._gates:
+            hooks.after(gate, self._gate_hook(i))
+        if self._mtp_k is not None:
+            hooks.before(model, self._pass_hook, with_kwargs=True)
         if self.prefetch:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-loader")
         self._t0 = time.perf_counter()
@@ -272,10 +277,14 @@ class Streamer:
 
     def replay(self, picked: dict[int, list[int]] | None = None) -> None:
         """Read and free every step as a forward would, without computing: the embedding, each
-        block with the experts ``picked[block]``, the norm, the head. For measuring the reads
+        block with the experts ``picked[block]``, the norm, the head, and the MTP module when
+        ``picked`` names its block (n_layers) with the embedding again. For measuring the reads
         (a benchmark's load-only pass), with the same reader, read-ahead and bookkeeping."""
         picked = picked or {}
+        self._drafting = self._mtp_k is not None and self._n_layers in picked
         for k, unit in enumerate(self._chain):
+            if k == self._mtp_k and not self._drafting:
+                continue
             module = self.model.get_submodule(unit.name)
             self._pre_hook(k)(module, ())
             if unit.block is not None and unit.block in self._block_experts:
@@ -294,14 +303,32 @@ class Streamer:
         reader = self._reader
         largest = max(
             [*self._chain, *self._experts.values()],
-            key=lambda unit: sum(reader.nbytes(to_hf(p.name), self.parts.get(p.name)) for p in unit.params),
+            key=lambda unit: sum(reader.nbytes(self._hf(p.name), self.parts.get(p.name)) for p in unit.params),
         )
-        nbytes = sum(reader.nbytes(to_hf(p.name), self.parts.get(p.name)) for p in largest.params)
+        nbytes = sum(reader.nbytes(self._hf(p.name), self.parts.get(p.name)) for p in largest.params)
         free = available_memory(self.device)
         if nbytes > free:
             raise CheckpointError(
                 f"{largest.name} alone takes {nbytes / 2**30:,.1f} GiB and {self.device} has {free / 2**30:,.1f} GiB free"
             )
+
+    def _hf(self, name: str) -> str:
+        return to_hf(name, self._n_layers)
+
+    def _block_unit(self, name: str, i: int, module: nn.Module, block: nn.Module, path: str) -> _Unit:
+        """A block's unit without its routed experts (``module`` holds ``block`` at ``path``: the MTP
+        module holds its norms and projection too), and one unit for each expert it holds."""
+        unit = self._unit(name, module, skip=".ffn.experts.")
+        unit.block = i
+        self._owners[i] = name
+        if isinstance(block.ffn, MoE):
+            self._gates.append((i, block.ffn.gate))
+            for j, expert in enumerate(block.ffn.experts):
+                if expert is not None:
+                    self._experts[i, j] = eu = self._unit(f"{path}.ffn.experts.{j}", expert)
+                    eu.block = i
+                    self._block_experts.setdefault(i, []).append(eu)
+        return unit
 
     def _unit(self, name: str, module: nn.Module, skip: str | None = None) -> _Unit:
         params = []
@@ -328,7 +355,7 @@ class Streamer:
         # host reads go into memory recycled from freed weights: fresh pages would be faulted in
         # (zeroed by the kernel) on every read, which halves the read speed on the CPU
         sizes = [
-            reader.nbytes(to_hf(p.name), self.parts.get(p.name)) if reader.direct(self.device, self.parts.get(p.name)) else 0
+            reader.nbytes(self._hf(p.name), self.parts.get(p.name)) if reader.direct(self.device, self.parts.get(p.name)) else 0
             for p in unit.params
         ]
         offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
@@ -336,7 +363,7 @@ class Streamer:
             unit.arena = self._arena(sum(_aligned(n) for n in sizes))
         for p, size, offset in zip(unit.params, sizes, offsets, strict=True):
             into = unit.arena[offset : offset + size] if size else None
-            tensor = reader.read(to_hf(p.name), self.device, self.parts.get(p.name), into)
+            tensor = reader.read(self._hf(p.name), self.device, self.parts.get(p.name), into)
             read += tensor.numel() * tensor.element_size()
             if tensor.dtype != p.meta.dtype:  # the head and weights_proj: bf16 stored, float32 held
                 tensor = tensor.to(p.meta.dtype)
@@ -358,7 +385,7 @@ class Streamer:
         return tensors
 
     def _owner_name(self, unit: _Unit) -> str:
-        return f"layers.{unit.block}" if unit.block is not None else unit.name
+        return self._owners[unit.block] if unit.block is not None else unit.name
 
     def _note_peak(self) -> None:
         now = sum(self._resident.values()) + self._loaded_unassigned
@@ -407,6 +434,11 @@ class Streamer:
             self._pending[unit.name] = self._submit(unit)
 
     # hooks -------------------------------------------------------------------------------------
+    def _pass_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before each forward: whether it will run the MTP module (asked for, or its sites observed)."""
+        asked = kwargs.get("mtp", args[4] if len(args) > 4 else False)
+        self._drafting = bool(asked) or self.model.mtp[0].logits.observed
+
     def _pre_hook(self, k: int) -> Callable[..., None]:
         unit = self._chain[k]
 
@@ -414,9 +446,14 @@ class Streamer:
             if self.synchronize:
                 torch.cuda.synchronize(self.device)
             self._enter_time[unit.name] = time.perf_counter()
-            if k + 1 < len(self._chain):
+            if k + 1 < len(self._chain) and (k + 1 != self._mtp_k or self._drafting):
                 self._ahead(self._chain[k + 1])  # read the next step while this one runs
+                if k + 1 == self._mtp_k:
+                    self._ahead(self._chain[0])  # the embedding again, which the MTP module reads
             self._take(unit)
+            if k == self._mtp_k:  # the main embedding and head, as the MTP module calls them
+                self._take(self._chain[0])
+                self._take(self._chain[self._head_k])
 
         return hook
 
@@ -426,7 +463,11 @@ class Streamer:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.synchronize:
                 torch.cuda.synchronize(self.device)
-            self._free(unit)
+            if not (k == self._head_k and self._drafting):  # else kept for the MTP module
+                self._free(unit)
+            if k == self._mtp_k:
+                self._free(self._chain[0])
+                self._free(self._chain[self._head_k])
             if unit.block is not None:
                 for eu in self._block_experts.get(unit.block, ()):
                     self._free(eu)
@@ -434,8 +475,8 @@ class Streamer:
             stats = self.stats.units.setdefault(unit.name, UnitStats(unit.name))
             stats.wall_seconds += time.perf_counter() - self._enter_time.pop(unit.name, time.perf_counter())
             if self.progress is not None and unit.name != "norm":
-                step = k + 1 - (1 if unit.name == "head" else 0)
-                total = len(self._chain) - 1
+                step = k if k >= self._head_k else k + 1  # the norm has no step of its own
+                total = max(len(self._chain) - 1 - (self._mtp_k is not None and not self._drafting), step)
                 with self._lock:
                     done = self._reader.bytes_read
                 self.progress(StreamEvent(step, total, unit.name, done, time.perf_counter() - self._t0, stats))

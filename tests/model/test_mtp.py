@@ -187,8 +187,12 @@ def test_a_checkpoint_without_one_records_nothing_and_says_so(tiny_checkpoint, m
     assert "no multi-token-prediction module" in err
     code = main(["run", "--checkpoint", str(mtp_dir), "--no-mtp", "--token-ids", "1,2,3", "--record", "mtp.*", "--out", str(out)])
     assert code == 2 and "not loaded" in capsys.readouterr().err
-    code = main(["run", "--checkpoint", str(mtp_dir), "--token-ids", "1,2,3", "--stream", "--out", str(out)])
-    assert code == 0 and Trace.load(out).extra["mtp"] == NOTE_SKIPPED  # the streamer runs no MTP module
+    code = main(["run", "--checkpoint", str(mtp_dir), "--token-ids", "1,2,3", "--stream", "--no-mtp", "--out", str(out)])
+    assert code == 0 and Trace.load(out).extra["mtp"] == NOTE_SKIPPED  # streamed too (tests/model/test_stream.py)
+    capsys.readouterr()
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", "1,2,3", "--stream", "--record", "mtp.*"]
+    code = main([*argv, "--out", str(tmp_path / "y.safetensors")])
+    assert code == 2 and "no multi-token-prediction module" in capsys.readouterr().err
     assert main(["run", "--checkpoint", str(mtp_dir), "--token-ids", "1,2,3", "--generate", "4", "--out", str(out)]) == 0
     assert "MTP drafts accepted" in capsys.readouterr().err
 

@@ -29,9 +29,12 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
 from model import TINY  # noqa: E402
-from model.checkpoint import SafetensorsSource, build_model, load_model, save_checkpoint  # noqa: E402
+from model.checkpoint import SafetensorsSource, build_model, has_mtp, load_model, save_checkpoint  # noqa: E402
 from model.parallel import ParallelError, gather_heads, init_distributed, make_plan, parallelize  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
+from tests.model.test_mtp import mtp_checkpoint  # noqa: E402
+from tracing.analyses.mtp import NOTE_SKIPPED  # noqa: E402
+from tracing.runner import trace_tokens  # noqa: E402
 from tracing.sites import layer_site, spec  # noqa: E402
 
 DEMO = REPO / "assets" / "demo"
@@ -40,6 +43,7 @@ DEMO = REPO / "assets" / "demo"
 TP_TINY = TINY.replace(qk_nope_head_dim=64, v_head_dim=64, inter_dim=512, n_shared_experts=2)
 TOKENS = 40
 TOL = 2**-7
+MTP_SITES = ("resid_post", "attn.indexer.topk_indices", "attn.probs", "ffn.gate.topk_indices", "ffn.routed_out", "ffn.shared_out")
 
 
 def default_sites(model) -> list[str]:
@@ -52,7 +56,17 @@ def default_sites(model) -> list[str]:
         if hasattr(block.ffn, "gate"):
             names += [f"layers.{i}.ffn.gate.{s}" for s in ("scores", "topk_indices", "topk_weights")]
             names += [f"layers.{i}.ffn.{s}" for s in ("routed_out", "shared_out")]
+    for j, _ in enumerate(model.mtp):  # the MTP module's block (numbered n_layers + j) and its draft
+        names += [f"mtp.{j}.block.{s}" for s in MTP_SITES] + [f"mtp.{j}.logits"]
     return names + ["logits.last"]
+
+
+def block_of(model, name: str) -> tuple[int, bool]:
+    """The block a site is in (an MTP module's: n_layers + j) and whether a rank holds its heads only."""
+    if name.startswith("mtp."):
+        return len(model.layers) + int(name.split(".")[1]), name.endswith("attn.probs")
+    rank_local = spec(name).rank_local
+    return (layer_site(name)[0] if rank_local else -1), rank_local
 
 
 def record(model, plan, fn, /, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -63,8 +77,9 @@ def record(model, plan, fn, /, *args, **kwargs) -> dict[str, torch.Tensor]:
     for name in default_sites(model):
 
         def hook(module, inputs, output, name=name):
-            if spec(name).rank_local:
-                output = gather_heads(output, plan, layer_site(name)[0])
+            block, rank_local = block_of(model, name)
+            if rank_local:
+                output = gather_heads(output, plan, block)
             value = output.detach().cpu().clone()
             store[name] = value[0] if module.shape.startswith("B") else value  # gate sites are (N, ...)
 
@@ -103,18 +118,26 @@ def worker(out: Path, cases: dict[str, str]) -> None:
         tokens = case_tokens(source.args.vocab_size)
         model, plan = load_parallel(source, "cpu")
         values = record(model, plan, model, tokens)
-        held = sorted({int(n.split(".")[4]) for n, _ in model.named_parameters() if ".experts." in n})
+        held = sorted({int(n.split(".")[4]) for n, _ in model.named_parameters() if n.startswith("layers.") and ".experts." in n})
         meta = {"notes": json.dumps(plan.notes), "experts": json.dumps(held), "split": json.dumps(plan.split_attention)}
         loaded = load_model(source)  # loaded whole, then split (each rank keeps its part)
         lplan = parallelize(loaded)
         split_after = record(loaded, lplan, loaded, tokens)
-        streamed_model = build_model(source.args)
+        streamed_model = build_model(source.args, mtp=has_mtp(source))
         splan = parallelize(streamed_model)
         streamed = record(streamed_model, splan, stream_forward, streamed_model, source, tokens, "cpu", plan=splan)
+        if has_mtp(source):  # the tracer's drafts (mtp.topk_*), and a model loaded without the module
+            traced = trace_tokens(model, tokens[0].tolist(), plan=plan).tensors
+            without, wplan = load_parallel(source, "cpu", mtp=False)
+            bare = trace_tokens(without, tokens[0].tolist(), plan=wplan)
+            said = {"sites": [n for n in bare.tensors if n.startswith("mtp.")], "note": bare.extra.get("mtp")}
         if ctx.rank == 0:
             save_file(values, str(out / f"{name}.safetensors"), metadata=meta)
             save_file(streamed, str(out / f"{name}-stream.safetensors"))
             save_file(split_after, str(out / f"{name}-split.safetensors"))
+            if has_mtp(source):
+                save_file({n: v.contiguous() for n, v in traced.items()}, str(out / f"{name}-trace.safetensors"))
+                (out / f"{name}-no-mtp.json").write_text(json.dumps(said))
         else:  # rank 1's own view of the replicated values, to check the ranks agree
             save_file(values, str(out / f"{name}-rank1.safetensors"), metadata=meta)
     torch.distributed.destroy_process_group()
@@ -158,8 +181,14 @@ def tp_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_checkpoint, tp_checkpoint) -> dict[str, Path]:
-    found = {"tiny": tiny_checkpoint, "tp": tp_checkpoint}
+def mtp_tp_checkpoint(tmp_path_factory) -> Path:
+    """TP_TINY with an MTP module: its block's heads, shared expert and experts split over the ranks."""
+    return mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "ckpt", TP_TINY.replace(n_mtp_layers=1))
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_checkpoint, tp_checkpoint, mtp_tp_checkpoint) -> dict[str, Path]:
+    found = {"tiny": tiny_checkpoint, "tp": tp_checkpoint, "mtp": mtp_tp_checkpoint}
     if (DEMO / "config.json").exists():
         found["demo"] = DEMO
     return found
@@ -186,7 +215,7 @@ def assert_same_trace(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
             torch.testing.assert_close(other, value, rtol=TOL, atol=TOL, msg=f"{name}: max difference {diff}")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tp", "demo"])
+@pytest.mark.parametrize("name", ["tiny", "tp", "mtp", "demo"])
 def test_two_ranks_give_the_trace_of_one_process(two_ranks, cases, name):
     if name not in cases:
         pytest.skip("assets/demo does not exist yet")
@@ -195,10 +224,24 @@ def test_two_ranks_give_the_trace_of_one_process(two_ranks, cases, name):
 
 
 @pytest.mark.parametrize("how", ["stream", "split"])
-@pytest.mark.parametrize("name", ["tiny", "tp"])
+@pytest.mark.parametrize("name", ["tiny", "tp", "mtp"])
 def test_two_ranks_streaming_or_splitting_a_loaded_model_give_the_trace_of_one_process(two_ranks, cases, name, how):
     got = load_file(str(two_ranks / f"{name}-{how}.safetensors"))
     assert_same_trace(got, one_process(cases[name]))
+
+
+def test_two_ranks_trace_the_mtp_modules_drafts_as_one_process(two_ranks, cases):
+    """The tracer's drafts over two ranks (the MTP block's heads, shared expert and experts split)
+    are one process's; loaded without the module (--no-mtp), the ranks record none and say so."""
+    got = load_file(str(two_ranks / "mtp-trace.safetensors"))
+    model = load_model(cases["mtp"])
+    want = trace_tokens(model, case_tokens(model.args.vocab_size)[0].tolist()).tensors
+    assert {"mtp.topk_indices", "mtp.topk_probs"} <= set(got)
+    assert_same_trace(got, want)  # the drafts' selections exactly, their probabilities within TOL
+    assert json.loads((two_ranks / "mtp-no-mtp.json").read_text()) == {"sites": [], "note": NOTE_SKIPPED}
+    plan = make_plan(model, rank=1, world=2, strict=True)
+    assert TP_TINY.n_layers in plan.split_attention and "mtp.0.block.ffn.shared_experts.w2.weight" in plan.parts
+    assert "mtp.0.block.attn.wq_b.weight" in plan.parts and "mtp.0.eh_proj.weight" not in plan.parts
 
 
 def test_one_process_is_left_alone(tiny_model, tokens):

@@ -16,6 +16,11 @@ from model.checkpoint import SafetensorsSource, TensorReader, WeightSource, buil
 from model.hooks import HookPoint
 from model.stream import Streamer, model_bytes, should_stream, stream_forward
 from model.synthetic import SyntheticSource, synthetic_source
+from tests.model.test_mtp import IDS, MTP_ARGS, mtp_checkpoint
+from tracing.analyses.mtp import NOTE_SKIPPED
+from tracing.cli.commands import main
+from tracing.runner import trace_tokens
+from tracing.trace import Trace
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_CHECK = REPO / "scripts" / "gpu_check.py"
@@ -222,3 +227,57 @@ def test_replay_reads_what_a_forward_reads_without_computing(tiny_source, tokens
         streamer.replay({i: sorted(js) for i, js in picked.items()})
     assert streamer.stats.reads == stats.reads and streamer.stats.bytes_read == stats.bytes_read
     assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory) -> Path:
+    return mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny-mtp")
+
+
+def test_the_mtp_module_streams_like_a_block_and_traces_as_one_process(mtp_dir):
+    """Its sites recorded, the MTP module is one more step after the head (its picked experts
+    only, the embedding read again, the head kept): the trace is the loaded model's byte for byte,
+    prefill and generation; unrecorded, not one of its tensors is read."""
+    source, n = SafetensorsSource(mtp_dir), MTP_ARGS.n_layers
+    loaded, model = load_model(source), build_model(source.args, mtp=True)
+    picked = set()
+    model.mtp[0].block.ffn.gate.topk_indices.register_forward_hook(lambda m, i, out: picked.update(out.flatten().tolist()))
+    for request in ({"record": "all"}, {"generate": 5}):
+        ids = IDS[:3] if "record" in request else IDS[:4]  # 3 positions pick at most 12 of the 16 experts
+        want = trace_tokens(loaded, ids, **request)
+        events = []
+        streamer = Streamer(model, source, progress=events.append)
+        got = trace_tokens(model, ids, context=streamer, **request)
+        assert {"mtp.topk_indices", "mtp.topk_probs"} <= set(got.tensors) and set(got.tensors) == set(want.tensors)
+        for name, value in want.tensors.items():
+            assert torch.equal(got.tensors[name], value), name
+        assert got.token_ids == want.token_ids and all(p.is_meta for p in model.parameters())
+        if "record" in request:  # one pass: each of the MTP block's picked experts read once, no other
+            experts = f"model.layers.{n}.mlp.experts."
+            read = {int(k.split(".")[5]): v for k, v in streamer.stats.reads.items() if k.startswith(experts)}
+            assert set(read) == picked and set(read.values()) == {1} and len(picked) < MTP_ARGS.n_routed_experts
+            assert streamer.stats.reads["model.embed_tokens.weight"] == 2 and streamer.stats.reads["lm_head.weight"] == 1
+            assert streamer.stats.units["mtp.0"].experts == len(picked)
+            assert [e.name for e in events[-2:]] == ["head", "mtp.0"] and events[-1].step == events[-1].total == n + 3
+    assert got.extra["generation"]["mtp_acceptance"] == want.extra["generation"]["mtp_acceptance"]
+    plain = Streamer(model, source, progress=events.append)
+    events.clear()
+    trace_tokens(model, IDS, record="layers.*,logits.*,next.*", context=plain)
+    assert not any(name.startswith(f"model.layers.{n}.") for name in plain.stats.reads)
+    assert events[-1].name == "head" and events[-1].total == n + 2
+    with Streamer(model, source), torch.inference_mode():  # asked for in Python, as in one process
+        got = model(torch.tensor([IDS]), mtp=True)
+        want = loaded(torch.tensor([IDS]), mtp=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_streaming_from_the_command_line_drafts_unless_no_mtp(mtp_dir, tmp_path):
+    streamed, whole, bare = (tmp_path / f"{k}.safetensors" for k in ("streamed", "whole", "bare"))
+    argv = ["run", "--checkpoint", str(mtp_dir), "--token-ids", "5,17,300,2,9", "--generate", "3"]
+    assert main([*argv, "--stream", "--out", str(streamed)]) == 0 and main([*argv, "--out", str(whole)]) == 0
+    a, b = Trace.load(streamed), Trace.load(whole)
+    assert "mtp.topk_indices" in a.tensors and "mtp" not in a.extra and set(a.tensors) == set(b.tensors)
+    assert all(torch.equal(a.tensors[name], value) for name, value in b.tensors.items())
+    assert main([*argv, "--stream", "--no-mtp", "--out", str(bare)]) == 0
+    c = Trace.load(bare)
+    assert not any(name.startswith("mtp.") for name in c.tensors) and c.extra["mtp"] == NOTE_SKIPPED

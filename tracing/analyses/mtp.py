@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 NOTE_NONE = "the checkpoint has no multi-token-prediction module: no drafts (mtp.* sites)"
-NOTE_SKIPPED = "the checkpoint's multi-token-prediction module is not loaded (--no-mtp, --stream or torchrun): no drafts"
+NOTE_SKIPPED = "the checkpoint's multi-token-prediction module is not loaded (--no-mtp): no drafts"
 
 
 def note(model) -> str | None:

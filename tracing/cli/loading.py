@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import SafetensorsSource, WeightSource, build_model, load_model
+from model.checkpoint import SafetensorsSource, WeightSource, build_model, check_mtp_copies, load_model, wants_mtp
 from model.config import ConfigError
 from model.synthetic import synthetic_source
 from model.transformer import Transformer
@@ -143,8 +143,8 @@ def open_source(
     """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
     over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel
     over ``group``, default every rank; without it every rank holds the whole model, for data
-    parallel work). ``mtp``: the checkpoint's MTP module (None: loaded when it has one, in one
-    process; streaming and the ranks leave it out)."""
+    parallel work). ``mtp``: the checkpoint's MTP module (None: loaded when it has one; streamed
+    like a block, split over the ranks like a block)."""
     from model import parallel
     from model.stream import should_stream
 
@@ -155,11 +155,12 @@ def open_source(
     if stream is None:
         stream = should_stream(source, device)
     if stream:
-        model = build_model(source.args, dtype)
+        model = build_model(source.args, dtype, mtp=wants_mtp(source, mtp))
         plan = parallel.parallelize(model, group) if dist is not None and split else None
+        check_mtp_copies(model, source, plan.parts if plan is not None else None)
         return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
     if dist is not None and split:
-        model, plan = parallel.load_parallel(source, device, dtype, group)
+        model, plan = parallel.load_parallel(source, device, dtype, group, mtp=mtp)
         return Loaded(model, tokenizer, source, label, device, False, plan)
     return Loaded(load_model(source, device, dtype, mtp=mtp), tokenizer, source, label, device)
 
