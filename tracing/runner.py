@@ -40,7 +40,7 @@ from .trace import Trace
 from .tracer import Tracer
 
 # what tracing.analyses.interventions.from_spec reads
-INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention", "at")
+INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention", "no_act_fp8", "at")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class TraceRequest:
     attribution at ``position`` for ``target`` (minus ``contrast``): a token id, or a token's text.
     ``interventions``: the spec tracing.analyses.interventions.from_spec reads (``ablate``,
     ``zero_experts``, ``ablate_heads``: "LAYER:ID,..."; ``no_bias``: "all" or [blocks];
-    ``attention``: "dense" or an index_topk; the removals may name positions, ``"3:17@5"``, or
+    ``attention``: "dense" or an index_topk; ``no_act_fp8``: true; the removals may name positions, ``"3:17@5"``, or
     ``at``: "A:B" for the ``{block: [ids]}`` forms). ``patches``: site name -> value (not part of the
     JSON form: it travels as safetensors), put in whole, or only at ``patch_positions`` ("P", "A:B")
     with the other positions the model's own.

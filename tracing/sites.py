@@ -17,6 +17,7 @@ import torch
 from model.config import ModelArgs
 from model.hooks import HookPoint
 
+from .analyses.margins import expert_margin, group_margin
 from .analyses.recall import head_recall, indexer_kl, key_overlap
 from .errors import InputError
 
@@ -107,16 +108,14 @@ def _overlap_prev(keys: torch.Tensor, read) -> torch.Tensor | None:
 def _margin(chosen: torch.Tensor, read) -> torch.Tensor:
     """The biased score of the k-th chosen expert minus the best expert not chosen inside the chosen
     groups (anywhere, when the chosen groups hold no other): how near the routing came to a change."""
-    biased, groups = read("ffn.gate.biased_scores").float(), read("ffn.gate.groups")  # (N, E), (N, topk_groups)
-    n_groups = read("ffn.gate.group_scores").shape[-1]
-    per_group = biased.shape[-1] // n_groups
-    kth = biased.gather(-1, chosen).amin(-1)  # (N,)
-    free = torch.ones_like(biased, dtype=torch.bool).scatter_(-1, chosen, False)  # not chosen
-    in_groups = torch.zeros(biased.shape[0], n_groups, dtype=torch.bool, device=biased.device).scatter_(-1, groups, True)
-    inside = free & in_groups.repeat_interleave(per_group, dim=-1)
-    candidates = torch.where(inside.any(-1, keepdim=True), inside, free)
-    best = biased.masked_fill(~candidates, float("-inf")).amax(-1)  # (N,)
-    return (kth - best).cpu()
+    groups, n_groups = read("ffn.gate.groups"), read("ffn.gate.group_scores").shape[-1]  # (N, topk_groups), G
+    return expert_margin(read("ffn.gate.biased_scores"), chosen, groups, n_groups).cpu()  # (N,)
+
+
+def _group_margin(groups: torch.Tensor, read) -> torch.Tensor | None:
+    """The weakest chosen group's score minus the best unchosen group's (none where every group is chosen)."""
+    margin = group_margin(read("ffn.gate.group_scores"), groups)
+    return None if margin is None else margin.cpu()  # (N,)
 
 
 F32, I64 = torch.float32, torch.int64
@@ -278,6 +277,23 @@ REGISTRY: tuple[SiteSpec, ...] = (
         patchable=False,
     ),
     SiteSpec(
+        "layers.{i}.ffn.gate.group_margin",
+        "N",
+        F32,
+        (
+            "the group score of the weakest chosen group minus the best unchosen group's (group scores as the "
+            "router ranks them: the top-2 sum of biased scores): near 0, a near-tie of groups; none where every "
+            "group is chosen"
+        ),
+        blocks="moe",
+        derived_from="ffn.gate.groups",
+        default=True,
+        computed="derive",
+        derive=_group_margin,
+        reads=("ffn.gate.group_scores",),
+        patchable=False,
+    ),
+    SiteSpec(
         "layers.{i}.ffn.expert_out",
         "N k D",
         F32,
@@ -347,6 +363,19 @@ REGISTRY: tuple[SiteSpec, ...] = (
         F32,
         "each head's part less the sum of its sources: what rounding the head's output (bfloat16, then FP8 for `wo`) leaves",
         derived_from="attn.probs",
+        patchable=False,
+        computed="attribution",
+    ),
+    SiteSpec(
+        "layers.{i}.attn.attribution_dropped",
+        "H",
+        F32,
+        (
+            "what the keys the indexer dropped would have added to each head's part (`--attribute`): the head's "
+            "update under dense causal attention from the same scores and values, less under its own probabilities; "
+            "exactly 0 where every visible key is selected"
+        ),
+        derived_from="attn.scores",
         patchable=False,
         computed="attribution",
     ),
@@ -539,9 +568,9 @@ DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if 
 _BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks not in ("model", "mtp")}
 _TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
 _MTP = {row.pattern: row for row in REGISTRY if row.blocks == "mtp"}  # sites of a model with an MTP module
+INDEXER_MISSING = "this model has no indexer (DeepSeek-V3 layout)"
 MTP_MISSING = (
-    "this model has no multi-token-prediction module "
-    "(the checkpoint has none, or it is not loaded: --no-mtp, --stream and torchrun leave it out)"
+    "this model has no multi-token-prediction module (the checkpoint has none, or it is not loaded: --no-mtp leaves it out)"
 )
 
 
@@ -580,14 +609,24 @@ def spec(name: str) -> SiteSpec | None:
     return (_TOP.get(name) or _MTP.get(name)) if where is None else _BY_SUFFIX.get(where[1])
 
 
-@lru_cache(maxsize=1)
-def _templates() -> tuple[dict[str, Site], dict[str, Site], dict[str, Site]]:
+_INDEXER_DERIVED = ("attn.attribution_dropped",)  # what the keys the indexer dropped would have added
+
+
+def is_indexer_site(name: str) -> bool:
+    """Whether a site (or pattern) is the indexer's or made from its selection, which a model without
+    one (DeepSeek-V3) has none of."""
+    return ".attn.indexer." in name or name.endswith(_INDEXER_DERIVED)
+
+
+@lru_cache(maxsize=2)
+def _templates(indexer: bool = True) -> tuple[dict[str, Site], dict[str, Site], dict[str, Site]]:
     """(model-level sites, a dense block's, a MoE block's), from the registry: a block's sites depend
-    on its kind only, never on a size, so reading the sites of a config costs the same for 3 blocks
-    of 16 experts as for 2 million blocks of 262,144."""
+    on its kind only (and whether the model has the indexer), never on a size, so reading the sites
+    of a config costs the same for 3 blocks of 16 experts as for 2 million blocks of 262,144."""
+    rows = {suffix: row for suffix, row in _BY_SUFFIX.items() if indexer or not is_indexer_site("." + suffix)}
     top = {row.pattern: (row.legend, row.dtype) for row in _TOP.values()}
-    dense = {suffix: (row.legend, row.dtype) for suffix, row in _BY_SUFFIX.items() if row.blocks == "all"}
-    moe = {suffix: (row.legend, row.dtype) for suffix, row in _BY_SUFFIX.items()}
+    dense = {suffix: (row.legend, row.dtype) for suffix, row in rows.items() if row.blocks == "all"}
+    moe = {suffix: (row.legend, row.dtype) for suffix, row in rows.items()}
     return top, dense, moe
 
 
@@ -615,7 +654,7 @@ def layer_site(name: str) -> tuple[int, str] | None:
 def site_legend(args: ModelArgs, name: str) -> Site | None:
     """A site's (shape legend, dtype) in a model of this config, or None when it has no such site;
     from the name alone, so checking a file's sites costs nothing per block of the config."""
-    top, dense, moe = _templates()
+    top, dense, moe = _templates(args.has_indexer)
     where = layer_site(name)
     if where is None:
         if args.n_mtp_layers and name in _MTP:
@@ -629,7 +668,7 @@ def site_legend(args: ModelArgs, name: str) -> Site | None:
 
 @lru_cache(maxsize=16)
 def _site_shapes_cached(args: ModelArgs) -> dict[str, Site]:
-    top, dense, moe = _templates()
+    top, dense, moe = _templates(args.has_indexer)
     out = dict(top)
     if args.n_mtp_layers:
         out.update((row.pattern, (row.legend, row.dtype)) for row in _MTP.values())
@@ -722,10 +761,19 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not matched and any(fnmatch.fnmatchcase(n, pattern) for n in _MTP):
                 raise InputError(f"--record pattern {pattern!r}: {MTP_MISSING}")
+            if not matched and not args.has_indexer and _indexer_only(pattern):
+                raise InputError(f"--record pattern {pattern!r}: {INDEXER_MISSING}")
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.extend(m for m in matched if m not in chosen)
     return sorted(chosen, key=site_order)
+
+
+def _indexer_only(pattern: str) -> bool:
+    """Whether a pattern names indexer sites of a model that has them (block 0's, as any block's)."""
+    return any(
+        fnmatch.fnmatchcase(f"layers.0.{row.suffix}", pattern) for row in _BY_SUFFIX.values() if is_indexer_site(row.pattern)
+    )
 
 
 def site_order(name: str) -> tuple:

@@ -21,7 +21,7 @@ from model.hooks import Hooks
 from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
-from .analyses.interventions import Intervention, Replace, replaced, replacements_of
+from .analyses.interventions import Intervention, Replace, during, replaced, replacements_of
 from .analyses.ranks import Ranks
 from .errors import InputError
 from .sites import (
@@ -92,6 +92,7 @@ class Tracer:
         self._mtp = [name for name in self.sites if name.startswith("mtp.")]
         self._mtp_rows: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks: Hooks | None = None
+        self._during = None  # the interventions' contexts (Intervention.during) while entered
 
     # context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -103,6 +104,7 @@ class Tracer:
         self._mtp_rows.clear()
         try:
             self._register()
+            self._during = during(self.interventions)
         except BaseException:
             self._remove()
             raise
@@ -154,6 +156,9 @@ class Tracer:
         return out
 
     def _remove(self) -> None:
+        if self._during is not None:
+            self._during.close()
+        self._during = None
         if self._hooks is not None:
             self._hooks.remove()
         self._hooks = None
@@ -207,12 +212,15 @@ class Tracer:
             hooks.after(self.model.head, self._lens_head)
         # the analyses' hooks come after the interventions': they read the values the model uses
         sources = any(spec(name).suffix == "attn.attribution_src" for name in self.sites)
-        reads = HeadReads(self.model, hooks) if sources or self._flow else None
+        dropped = any(spec(name).suffix == "attn.attribution_dropped" for name in self.sites)
+        reads = HeadReads(self.model, hooks) if sources or dropped or self._flow else None
         ranks = Ranks(self.plan)  # under tensor parallelism the analyses gather the heads and vocabulary they read
         if self._attribution is not None:
             lens = any(".expert_lens." in name for name in self.sites)
-            reads_for = reads if sources else None
-            self._attributor = Attributor(self.model, self._attribution, hooks, self._record_attribution, reads_for, lens, ranks)
+            reads_for = reads if sources or dropped else None
+            self._attributor = Attributor(
+                self.model, self._attribution, hooks, self._record_attribution, reads_for, lens, ranks, dropped
+            )
         if self._flow:
             Flow(self.model, reads, hooks, self._record, ranks)
 

@@ -61,3 +61,38 @@ def test_the_margin_is_positive_and_matches_the_biased_scores(tiny_model):
     assert len(table) == len(IDS) * (TINY.n_layers - TINY.n_dense_layers) and "near_tie" in table
     recall = trace.tables()["indexer_recall"]
     assert {"kl", "overlap_prev"} <= set(recall) and recall.loc[recall["block"] == 0, "overlap_prev"].isna().all()
+
+
+def test_the_group_margin_is_positive_and_matches_the_group_scores(tiny_model):
+    """The weakest chosen group's score less the best unchosen one's, recomputed from the recorded
+    biased scores by the reference's rule (the top-2 sum per group, with the bias); a near-tie of
+    groups is flagged in the margins table."""
+    trace = trace_tokens(tiny_model, IDS)
+    per_group = TINY.n_routed_experts // TINY.n_expert_groups
+    for block in range(TINY.n_dense_layers, TINY.n_layers):
+        biased = trace.site(block, "ffn.gate.biased_scores").double()
+        group_scores = biased.view(len(IDS), TINY.n_expert_groups, per_group).topk(2, dim=-1).values.sum(-1)  # (T, G)
+        torch.testing.assert_close(group_scores.float(), trace.site(block, "ffn.gate.group_scores"), rtol=0, atol=1e-6)
+        groups, margin = trace.site(block, "ffn.gate.groups"), trace.site(block, "ffn.gate.group_margin")
+        assert margin.shape == (len(IDS),) and (margin > 0).all()  # every chosen set of groups beats the ones left out
+        for t in range(len(IDS)):
+            chosen = groups[t].tolist()
+            left = [g for g in range(TINY.n_expert_groups) if g not in chosen]
+            want = min(group_scores[t, g] for g in chosen) - max(group_scores[t, g] for g in left)
+            assert math.isclose(float(margin[t]), float(want), abs_tol=1e-6)
+    table = trace.tables()["margins"]
+    assert {"group_margin", "near_tie_group"} <= set(table) and not table["group_margin"].isna().any()
+    assert (table["near_tie_group"] == (table["group_margin"] < 1e-3)).all()
+    near = trace_tokens(
+        tiny_model, IDS, patches={"layers.1.ffn.gate.group_scores": _tied(trace.site(1, "ffn.gate.group_scores"))}
+    )
+    assert near.tables()["margins"].query("block == 1")["near_tie_group"].all()
+
+
+def _tied(scores: torch.Tensor) -> torch.Tensor:
+    """Group scores (T, G) whose best unchosen group sits 1e-4 under the weakest chosen one."""
+    out = scores.clone()
+    ranked = out.sort(dim=-1, descending=True)
+    weakest = ranked.values[:, TINY.n_limited_groups - 1]
+    out.scatter_(-1, ranked.indices[:, TINY.n_limited_groups : TINY.n_limited_groups + 1], (weakest - 1e-4)[:, None])
+    return out

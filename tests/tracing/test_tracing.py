@@ -96,7 +96,7 @@ def test_record_patterns_choose_sites(tiny_model):
     assert {n for n in small.tensors if n != "tokens"} == {
         f"layers.{i}.ffn.gate.{s}"
         for i in (1, 2)
-        for s in ("scores", "biased_scores", "group_scores", "groups", "topk_indices", "topk_weights", "margin")
+        for s in ("scores", "biased_scores", "group_scores", "groups", "topk_indices", "topk_weights", "margin", "group_margin")
     }
     full = trace_tokens(tiny_model, IDS[:6], record="all")
     assert full["layers.1.attn.probs"].shape == (6, TINY.n_heads, 6)

@@ -22,6 +22,13 @@ leaves is each head's ``attribution_src_rest``. The per-expert logit lens reads 
 expert's weighted output through the frozen norm and the head (:func:`lens_tokens`, and
 :func:`expert_lens` at any position of a trace).
 
+What the sparsity dropped: each head's update again with attention over every causal key instead of
+the indexer's selection, from the same scores and values, through the same rounding to the
+activation dtype and to FP8 before ``wo``, less the same recomputation with the model's own
+probabilities (``attribution_dropped``, along u as every part). Both sides go through one
+computation, so where the indexer keeps every visible key they are the same bits and the difference
+is exactly 0.
+
 Everything is read by forward hooks at one position, while the forward runs (weights are present
 then, also when streamed); no model code path changes.
 """
@@ -34,7 +41,7 @@ from functools import partial
 
 import torch
 
-from model import kernels
+from model import fp8, kernels
 from model.hooks import Hooks
 from model.moe import MoE
 
@@ -84,6 +91,7 @@ class Attributor:
         reads: HeadReads | None = None,
         lens: bool = False,
         ranks: Ranks | None = None,
+        dropped: bool = False,
     ):
         self.model = model
         self._ranks = ranks or Ranks()
@@ -98,6 +106,8 @@ class Attributor:
         self._rows: dict[str, torch.Tensor] = {}
         points = [(model.norm, self._norm), (model.head, self._head)]
         for i, block in enumerate(model.layers):
+            if dropped and getattr(block.attn, "indexer", None) is not None:  # a model without one drops nothing
+                points.append((block.attn.scores, partial(self._scores, i)))
             points.append((block.attn.wo, partial(self._wo, i)))
             if isinstance(block.ffn, MoE):
                 for name in ("gate.topk_indices", "expert_out", "shared_out"):
@@ -133,6 +143,9 @@ class Attributor:
         row = output[0, self._row] if module.shape.startswith("B") else output[self._row]  # (T, ...) or (N, ...) -> (...)
         self._rows[name] = row.float() if row.is_floating_point() else row
 
+    def _scores(self, layer: int, module, inputs, output) -> None:
+        self._rows[f"{layer}.scores"] = output[0, self._row].clone()  # (H, S), the activation dtype, before any mask
+
     def _wo(self, layer: int, module, inputs, output) -> None:
         """Each head's update vector: its slice of wo's FP8-rounded input through its columns of the
         dequantised weight, in float32 (their sum is the float32 product before its bfloat16 rounding).
@@ -140,14 +153,39 @@ class Attributor:
         and so the direction they are read along, is known only at the head)."""
         heads = self.model.layers[layer].attn.n_heads
         x = inputs[0][0, self._row]  # (H Dv,)
-        if module.scale is not None:
-            x = module.rounded(x[None]).values()[0]
+        if module.scale is not None and isinstance(read := module.rounded(x[None]), fp8.Rounded):
+            x = read.values()[0]  # what wo multiplies (x itself where activations are not rounded)
         columns = wo_columns(module.weight, module.scale, heads)  # (D, H, Dv): this rank's heads under tensor parallelism
         vectors = kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
         self._rows[f"{layer}.heads"] = self._ranks.heads(vectors, layer)  # every head's
+        if f"{layer}.scores" in self._rows:
+            dropped = self._dropped_update(self._rows.pop(f"{layer}.scores"), module, inputs[0].dtype, columns)
+            self._rows[f"{layer}.dropped"] = self._ranks.heads(dropped, layer)  # (H, D)
         if self._reads is not None:
             stored = (module.weight.detach().clone(), None if module.scale is None else module.scale.detach().clone())
             self._rows[f"{layer}.sources"] = (self._reads.sources(self._row), stored)  # (H, S, Dv), wo
+
+    def _dropped_update(self, scores: torch.Tensor, wo, dtype: torch.dtype, columns: torch.Tensor) -> torch.Tensor:
+        """(H, D): each head's update under dense attention less the same under the model's probabilities.
+
+        The dense probabilities are MLA's softmax of the scores it saw, in their dtype, under the
+        causal mask alone; a head whose probabilities are all 0 (ablated) reads nothing either way.
+        Each side is ``sum_s p v`` rounded to the activation dtype, then for ``wo`` as its input is,
+        and read through each head's columns as :meth:`_wo` reads the model's own."""
+        sparse = self._reads.probs[self._row]  # (H, S) float32: after the masks and any intervention
+        future = torch.arange(scores.shape[-1], device=scores.device) > self._start + self._row
+        dense = scores.masked_fill(future, float("-inf")).softmax(dim=-1).float()  # (H, S)
+        dense = torch.where(sparse.any(dim=-1, keepdim=True), dense, torch.zeros_like(dense))
+        values = self._reads.values()  # (S, H, Dv)
+        heads = columns.shape[1]
+
+        def update(p: torch.Tensor) -> torch.Tensor:
+            x = kernels.einsum("hs,shv->hv", p, values).to(dtype).flatten()  # (H Dv,): what wo would read
+            if wo.scale is not None and isinstance(read := wo.rounded(x[None]), fp8.Rounded):
+                x = read.values()[0]  # rounded as the model's own input is (not where activations are not)
+            return kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
+
+        return update(dense) - update(sparse)
 
     def _norm(self, module, inputs, output) -> None:
         stream = inputs[0][0, self._row].float()  # (D,): the final stream, float32
@@ -177,6 +215,8 @@ class Attributor:
         for i, block in enumerate(self.model.layers):
             heads = rows[f"{i}.heads"] @ u  # (H,)
             values[site_name(i, "attn.attribution")] = heads
+            if f"{i}.dropped" in rows:
+                values[site_name(i, "attn.attribution_dropped")] = rows[f"{i}.dropped"] @ u  # (H,)
             if f"{i}.sources" in rows:
                 sources = self._ranks.heads(_sources(rows.pop(f"{i}.sources"), u), i)  # (H, S)
                 values[site_name(i, "attn.attribution_src")] = sources

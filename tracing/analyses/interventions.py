@@ -12,18 +12,19 @@ line): a causal check of one position's attribution removes the part there and n
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from model import fp8
 from model.config import ModelArgs
 from model.kernels import topk
 from model.moe import RouterRule, select_experts
 
 from ..errors import InputError
-from ..sites import site_name, spec
+from ..sites import INDEXER_MISSING, site_name, spec
 
 Positions = tuple[int, int | None]  # [start, stop): stop None = to the end of the run
 
@@ -98,6 +99,11 @@ class Intervention:
     def config(self, args: ModelArgs) -> ModelArgs:
         """The config the run is equivalent to (what the trace records)."""
         return args
+
+    def during(self) -> AbstractContextManager:
+        """A context the run's passes go in, for a change no hook point can make (how the model
+        computes, not a value it computed): entered by the thread that runs them, left after them."""
+        return nullcontext()
 
     def describe(self) -> str:
         return type(self).__name__
@@ -291,6 +297,8 @@ class IndexTopK(Intervention):
         return cls(1 << 30)
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
+        if not args.has_indexer:
+            raise InputError(f"{self.describe()}: {INDEXER_MISSING}: every query already attends to all its earlier keys")
         if self.k <= 0:
             raise InputError("--index-topk must be positive")
         out: dict[str, Replace] = {}
@@ -310,6 +318,38 @@ class IndexTopK(Intervention):
 
     def describe(self) -> str:
         return "dense attention" if self.k >= 1 << 30 else f"index_topk={self.k}"
+
+
+@dataclass(frozen=True)
+class NoActFP8(Intervention):
+    """FP8 products without the activations' rounding: each FP8 linear layer multiplies its input
+    as it is by the weight dequantised to the activation dtype, the indexer scores unrounded q and
+    k, the MLA latent skips its FP8 simulation (model.fp8.unrounded_activations), in this run's
+    passes only: a shared model rounds as before in every other thread."""
+
+    def replacements(self, args: ModelArgs) -> dict[str, Replace]:
+        if not args.has_indexer:  # DeepSeek-V3's reference multiplies unrounded activations already
+            raise InputError("--no-act-fp8: this model (DeepSeek-V3 layout) does not round its activations to FP8")
+        return {}
+
+    def during(self) -> AbstractContextManager:
+        return fp8.unrounded_activations()
+
+    def describe(self) -> str:
+        return "no FP8 activation rounding"
+
+
+def during(interventions: Sequence[Intervention]) -> ExitStack:
+    """Every intervention's :meth:`Intervention.during` context, entered in order (left in reverse
+    when the stack closes, also after an exception)."""
+    stack = ExitStack()
+    try:
+        for intervention in interventions:
+            stack.enter_context(intervention.during())
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 @dataclass(frozen=True)
@@ -403,6 +443,7 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     * ``ablate``: ``"LAYER:EXPERT[@POSITIONS],..."`` or ``{block: [experts]}``; empty or absent: none
     * ``no_bias``: ``None``, ``"all"`` or ``[blocks]``
     * ``attention``: ``None`` (the model's index_topk), ``"dense"`` or another index_topk
+    * ``no_act_fp8``: true for FP8 products without the activations' rounding
     * ``zero_experts``, ``ablate_heads``: as ``ablate`` (``"LAYER:ID[@POSITIONS],..."`` or ``{block: [ids]}``)
     * ``at``: ``"P"``, ``"A:B"``: the positions where the ``{block: [ids]}`` forms act (default: all)
 
@@ -431,6 +472,11 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
         out.append(IndexTopK.dense())
     elif attention is not None:
         out.append(IndexTopK(int(attention)))
+    no_act_fp8 = request.get("no_act_fp8")
+    if not isinstance(no_act_fp8, bool | None):
+        raise InputError(f"no_act_fp8: expected true or false, not {type(no_act_fp8).__name__}")
+    if no_act_fp8:
+        out.append(NoActFP8())
     return out
 
 
@@ -482,7 +528,7 @@ def applied(model, interventions: Sequence[Intervention]):
 
         return run
 
-    with Hooks() as hooks:
+    with Hooks() as hooks, during(interventions):
         for name in sorted(set(replacers) | kept):
             hooks.after(points[name], hook(name, replacers.get(name, [])))
         yield

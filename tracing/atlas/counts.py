@@ -17,7 +17,10 @@ key, so their recall is 1 and their picks say nothing): positions ``index_topk``
 sequence, which starts at position 0. Sinks count only picks from afar: a query and a key at least
 ``index_topk`` positions apart (the query has that many nearer keys, so nearness is not why the
 key was picked), and what a key's picks are compared with depends on its distances too
-(tracing.atlas.tables: the expected picks), which :func:`far_pairs` counts.
+(tracing.atlas.tables: the expected picks), which :func:`far_pairs` counts. The same queries give
+the overlap of each block's selection with the block before's (a sum in units of 2^-24 and a
+count of queries, so that a mean comes out of any merge). Every routing counts for the near-ties:
+how often the router's margin, and its group margin, fall below NEAR_TIE (tracing.analyses.margins).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from model.config import ModelArgs
 from model.hooks import Hooks
 from model.moe import RouterRule, select_experts
 
-from ..analyses.recall import head_recall
+from ..analyses.margins import NEAR_TIE, expert_margin, group_margin
+from ..analyses.recall import head_recall, key_overlap
 from ..errors import InputError
 from ..sites import hook_points, site_name
 
@@ -84,10 +88,14 @@ def total_shapes(args: ModelArgs, seq_len: int) -> dict[str, tuple[int, ...]]:
         "group_count": (m, args.n_expert_groups),
         "bias_tokens": (m,),
         "bias_selections": (m,),
+        "near_ties": (m,),  # routings whose margin is below NEAR_TIE
+        "group_near_ties": (m,),  # ... whose group margin is
         "distance": (n, seq_len),  # selected keys by query position - key position
         "recall_hist": (n, RECALL_BINS),
         "recall_sum": (n,),  # units of 2^-24
         "recall_queries": (n,),
+        "overlap_sum": (n,),  # units of 2^-24: the selection's Jaccard overlap with the block before's
+        "overlap_queries": (n,),
         "length_count": (seq_len + 1,),  # sequences by length
         "sink_position_selected": (n, seq_len),  # picks from afar, by key position
         "sink_token_selected": (n, v),  # picks from afar, by the key's token
@@ -109,7 +117,9 @@ def check_state(state: dict[str, torch.Tensor], args: ModelArgs, seq_len: int, w
         raise InputError(f"{where}: holds {unknown[0]!r}, no total of an atlas checkpoint")
     for name, shape in shapes.items():
         got = state.get(name)
-        if got is None or tuple(got.shape) != shape or got.dtype != torch.int64:
+        if got is None:
+            raise InputError(f"{where}: holds no {name} (written before the atlas counted it?); run again without --resume")
+        if tuple(got.shape) != shape or got.dtype != torch.int64:
             raise InputError(f"{where}: {name} is missing or of another shape or type; not a checkpoint of this run")
     keys, counts = (state.get(name) for name in SPARSE)
     if keys is None or counts is None or keys.dtype != torch.int64 or counts.dtype != torch.int64:
@@ -187,11 +197,13 @@ class AtlasCounts:
         points = hook_points(model)
         with Hooks() as hooks:
             for i in range(self.args.n_layers):
-                hooks.after(points[site_name(i, "attn.indexer.topk_indices")], self._on_keys(i))
-                hooks.after(points[site_name(i, "attn.scores")], self._on_scores(i))
+                if site_name(i, "attn.indexer.topk_indices") in points:  # none without an indexer (DeepSeek-V3)
+                    hooks.after(points[site_name(i, "attn.indexer.topk_indices")], self._on_keys(i))
+                    hooks.after(points[site_name(i, "attn.scores")], self._on_scores(i))
                 if i not in self.moe:
                     continue
-                for stage in ("ffn.gate.scores", "ffn.gate.groups", "ffn.gate.topk_indices"):
+                stages = ("scores", "biased_scores", "group_scores", "groups", "topk_indices")
+                for stage in (f"ffn.gate.{name}" for name in stages):
                     hooks.after(points[site_name(i, stage)], self._keep(stage.removeprefix("ffn.gate."), i))
                 biased = model.layers[i].ffn.gate.bias is not None
                 hooks.after(points[site_name(i, "ffn.gate.topk_weights")], self._on_route(i, biased))
@@ -213,6 +225,11 @@ class AtlasCounts:
             chosen = self._seen.pop(("topk_indices", i))  # (N, k), N = B * T in batch order
             scores = self._seen.pop(("scores", i))  # (N, E)
             groups = self._seen.pop(("groups", i), None)  # (N, topk_groups); none with one group
+            ranked, group_scores = self._seen.pop(("biased_scores", i)), self._seen.pop(("group_scores", i), None)
+            margin = expert_margin(ranked, chosen, groups, self.args.n_expert_groups)  # (N,)
+            self._add("near_ties", m, (margin < NEAR_TIE).sum())
+            if groups is not None and (between := group_margin(group_scores, groups)) is not None:
+                self._add("group_near_ties", m, (between < NEAR_TIE).sum())
             flat = chosen.flatten()
             self._add("expert_count", m, torch.bincount(flat, minlength=e))
             fixed = torch.round(weights.double() * FIXED).long().flatten()
@@ -239,6 +256,12 @@ class AtlasCounts:
                 return
             keys = selected[:, first:]  # (B, T', K): the queries that see more than index_topk keys
             self._seen["keys", i] = keys
+            self._seen["selected", i] = keys
+            before = self._seen.pop(("selected", i - 1), None)
+            if before is not None:  # the block before's selection for the same queries
+                overlap = key_overlap(keys, before, selected.shape[1])  # (B, T')
+                self._add("overlap_sum", i, torch.round(overlap.double() * FIXED).long().sum())
+                self._add("overlap_queries", i, torch.tensor(overlap.numel(), device=overlap.device))
             ok = keys >= 0  # every slot of these rows names a key unless a score was NaN
             query = torch.arange(first, selected.shape[1], device=keys.device)[None, :, None]
             back = query - keys  # (B, T', K) distances

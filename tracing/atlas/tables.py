@@ -34,8 +34,18 @@ COLUMNS = {
     "indexer_recall": ("block", "queries", "p10", "p50", "p90", "mean"),
     "indexer_sinks": ("block", "position", "token_id", "token", "selected", "visible", "rate", "expected", "lift"),
     "token_experts": ("block", "token_id", "token", "occurrences", "expert", "count", "share", "specificity"),
+    "block_measures": (
+        "block",
+        "overlap_queries",
+        "overlap_prev",
+        "routings",
+        "near_ties",
+        "near_tie_share",
+        "group_near_ties",
+        "group_near_tie_share",
+    ),
 }
-OPTIONAL = ("token_experts",)  # tables an atlas of an earlier run lacks: read_atlas reads it without them
+OPTIONAL = ("token_experts", "block_measures")  # tables an atlas of an earlier run lacks: read_atlas reads it without them
 EXPERTS_COLUMNS = ("block", "expert", "count", "share", "mean_weight", "top_tokens")
 
 TokenStrings = Callable[[list[int]], list[str]]
@@ -60,6 +70,7 @@ def tables(state: dict[str, torch.Tensor], args: ModelArgs, names: TokenStrings,
         "indexer_recall": _recall(s),
         "indexer_sinks": _sinks(s, names, args.index_topk, min_count),
         "token_experts": _token_experts(s, moe, args, names, min_count),
+        "block_measures": _block_measures(s, moe, args),
     }
     return out
 
@@ -231,6 +242,27 @@ def _bias_effect(s, moe: list[int]) -> pd.DataFrame:
         for m, block in enumerate(moe)
     ]
     return _frame("bias_effect", rows)
+
+
+def _block_measures(s, moe: list[int], args: ModelArgs) -> pd.DataFrame:
+    """Per block: the mean overlap of the indexer's selection with the block before's, over the
+    queries that see more than index_topk keys (NaN in block 0 and with none), and per MoE block the
+    share of routings (one per token) whose margin, and whose group margin, is a near-tie (NaN in a
+    dense block; the group share also where every group is chosen or there is one group)."""
+    tokens, grouped = int(s["tokens"][0]), args.n_limited_groups < args.n_expert_groups  # else no group is left out
+    rows = []
+    for block in range(args.n_layers):
+        n = int(s["overlap_queries"][block])
+        row = {"block": block, "overlap_queries": n, "overlap_prev": s["overlap_sum"][block] / FIXED / n if n else np.nan}
+        m = moe.index(block) if block in moe else None
+        routings = tokens if m is not None else 0
+        ties = int(s["near_ties"][m]) if m is not None else 0
+        group_ties = int(s["group_near_ties"][m]) if m is not None else 0
+        row.update(routings=routings, near_ties=ties, near_tie_share=ties / routings if routings else np.nan)
+        row.update(group_near_ties=group_ties, group_near_tie_share=group_ties / routings if routings and grouped else np.nan)
+        rows.append(row)
+    frame = _frame("block_measures", rows)
+    return frame.astype({c: "int64" for c in ("overlap_queries", "routings", "near_ties", "group_near_ties")})
 
 
 def _distance(s) -> pd.DataFrame:

@@ -114,13 +114,14 @@ def intervention_spec(args: argparse.Namespace) -> dict:
         "ablate_heads": args.ablate_heads or "",
         "no_bias": "all" if args.no_gate_bias else None,
         "attention": "dense" if args.dense_attention else args.index_topk,
+        "no_act_fp8": args.no_act_fp8,
     }
     return {key: value for key, value in spec.items() if value}
 
 
 def add_intervention_flags(parser, positions: bool = True) -> None:
     """--ablate-experts, --zero-experts, --ablate-heads (at ``positions`` too), --no-gate-bias,
-    --dense-attention, --index-topk: one set of flags for every command that runs the model."""
+    --dense-attention, --index-topk, --no-act-fp8: one set of flags for every command that runs the model."""
     at = "[@P|@A:B]" if positions else ""  # the positions where a removal acts (default: every position)
     parser.add_argument("--ablate-experts", metavar=f"LAYER:EXPERT{at},...", help="experts never chosen (routed around)")
     parser.add_argument("--zero-experts", metavar=f"LAYER:EXPERT{at},...", help="experts still chosen that contribute nothing")
@@ -128,3 +129,6 @@ def add_intervention_flags(parser, positions: bool = True) -> None:
     parser.add_argument("--no-gate-bias", action="store_true", help="route without the correction bias")
     parser.add_argument("--dense-attention", action="store_true", help="the indexer selects every visible key")
     parser.add_argument("--index-topk", type=integer(), help="a different index_topk for the sparse attention")
+    parser.add_argument(
+        "--no-act-fp8", action="store_true", help="FP8 products take their activations unrounded (the weights stay FP8)"
+    )

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..analyses.margins import NEAR_TIE
 from ..analyses.mtp import drafted
 from ..sites import part_name
 from ..trace import Trace
@@ -240,21 +241,26 @@ def recall_table(trace: Trace) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-NEAR_TIE = 1e-3  # a routing margin below this is a near-tie: a rounding could change the choice
-
-
 def margins_table(trace: Trace) -> pd.DataFrame:
     """Per MoE block and position: the routing margin (the k-th chosen expert's biased score minus the
-    best unchosen one's inside the chosen groups) and whether it is a near-tie (below NEAR_TIE)."""
+    best unchosen one's inside the chosen groups) and whether it is a near-tie (below NEAR_TIE); the
+    group margin (the weakest chosen group's score minus the best unchosen group's; NaN where the
+    trace has none) and whether that is one (``near_tie_group``)."""
     pos, tok = _positions(trace)
-    frames = [
-        pd.DataFrame({"block": i, "position": pos, "token": tok, "margin": trace.site(i, "ffn.gate.margin").numpy()})
-        for i in trace.layers_with("ffn.gate.margin")
-    ]
+    frames = []
+    grouped = bool(trace.layers_with("ffn.gate.group_margin"))
+    for i in trace.layers_with("ffn.gate.margin"):
+        frame = {"block": i, "position": pos, "token": tok, "margin": trace.site(i, "ffn.gate.margin").numpy()}
+        if grouped:
+            group = trace.site(i, "ffn.gate.group_margin")
+            frame["group_margin"] = group.numpy() if group is not None else np.full(len(pos), np.nan, dtype=np.float32)
+        frames.append(pd.DataFrame(frame))
     if not frames:
         return pd.DataFrame()
     frame = pd.concat(frames, ignore_index=True)
     frame["near_tie"] = frame["margin"] < NEAR_TIE
+    if grouped:
+        frame["near_tie_group"] = frame["group_margin"] < NEAR_TIE
     return frame
 
 
@@ -310,8 +316,10 @@ def attribution_table(trace: Trace) -> pd.DataFrame:
     head, each chosen routed expert and the shared expert (or a dense block's MLP), then the rest.
     A head's split over the keys it read follows it: ``source`` rows (the key position in
     ``source``, its token in ``source_token``; keys the indexer dropped hold 0 and are not listed)
-    and a ``source_rest`` row. ``share`` is the row's |value| over the sum of every part's |value|
-    (kinds in ATTRIBUTION_PARTS; the sources split a head's part and are not counted twice)."""
+    and a ``source_rest`` row; after a block's heads, each head's ``dropped keys`` row (what attending
+    over every causal key would have added to its part; not a part). ``share`` is the row's |value|
+    over the sum of every part's |value| (kinds in ATTRIBUTION_PARTS; the sources split a head's part
+    and are not counted twice)."""
     if "attribution.total" not in trace:
         return pd.DataFrame()
     tokens = np.asarray(trace.tokens, dtype=object)
@@ -326,6 +334,10 @@ def attribution_table(trace: Trace) -> pd.DataFrame:
                     rows.append((f"{name}.source.{s}", i, "source", head, s, float(sources[head, s])))
             if rests is not None:
                 rows.append((f"{name}.source_rest", i, "source_rest", head, -1, float(rests[head])))
+        dropped = trace.site(i, "attn.attribution_dropped")
+        if dropped is not None:  # not a part: what dense attention would have added to each head's
+            for head, value in enumerate(dropped.tolist()):
+                rows.append((part_name(i, f"attn.head.{head}.dropped_keys"), i, "dropped keys", head, -1, value))
         parts = trace.site(i, "ffn.attribution").tolist()
         if len(parts) == 1:
             rows.append((part_name(i, "ffn"), i, "mlp", -1, -1, parts[0]))

@@ -171,6 +171,7 @@ def test_the_table_has_a_row_per_part_and_is_exported(tiny_model):
         "shared": n_moe,
         "mlp": args.n_dense_layers,
         "rest": 1,
+        "dropped keys": args.n_layers * args.n_heads,
     }
     parts = table[table["kind"].isin(ATTRIBUTION_PARTS)]
     assert parts["share"].sum() == pytest.approx(1.0)
@@ -346,7 +347,8 @@ def test_a_model_of_dense_blocks_only(tiny_source):
     assert all(trace.site(i, "ffn.attribution").shape == (1,) for i in range(dense.n_layers))
     assert not [name for name in trace.tensors if "expert_lens" in name]
     assert trace.site(1, "ffn.flow").shape == (len(IDS), 1)
-    assert sorted(attribution_table(trace)["kind"].unique()) == ["embed", "head", "mlp", "rest", "source", "source_rest"]
+    kinds = ["dropped keys", "embed", "head", "mlp", "rest", "source", "source_rest"]
+    assert sorted(attribution_table(trace)["kind"].unique()) == kinds
 
 
 def test_the_command_line_encodes_a_text_target(tmp_path, capsys):
@@ -401,3 +403,47 @@ def test_removing_the_largest_part_moves_the_logit_its_way(demo_model):
         target = base.extra["attribution"]["target"]
         agree.append(float(run["logits.last"][target] - base["logits.last"][target]) * part < 0)
     assert sum(agree) >= 8, agree
+
+
+def test_the_dropped_keys_add_exactly_nothing_where_the_indexer_keeps_every_key(tiny_model):
+    """T <= index_topk, dense attention, and a decode step that sees at most index_topk keys: the
+    dense counterfactual is the same computation on the same bits, so exactly 0; past index_topk it
+    is not, and an ablated head, which reads nothing, has nothing dropped either."""
+    k = tiny_model.args.index_topk
+    short = trace_tokens(tiny_model, IDS[:k], attribution=AttributionRequest())
+    dense = trace_tokens(tiny_model, IDS, attribution=AttributionRequest(), interventions=[IndexTopK.dense()])
+    early = trace_tokens(tiny_model, IDS, attribution=AttributionRequest(position=k - 1), prefill=k - 2)  # a decode step
+    for trace in (short, dense, early):
+        for i in range(tiny_model.args.n_layers):
+            assert torch.equal(trace.site(i, "attn.attribution_dropped"), torch.zeros(tiny_model.args.n_heads))
+    sparse = trace_tokens(tiny_model, IDS, attribution=AttributionRequest(), interventions=from_spec({"ablate_heads": "1:2"}))
+    assert all(sparse.site(i, "attn.attribution_dropped").any() for i in range(tiny_model.args.n_layers))
+    assert float(sparse.site(1, "attn.attribution_dropped")[2]) == 0.0
+    for kwargs in ({}, {"prefill": 6}):  # the prefill's MHA, and the decode path over the caches
+        assert trace_tokens(tiny_model, IDS, attribution=AttributionRequest(), **kwargs).site(0, "attn.attribution_dropped").any()
+    table = attribution_table(sparse)
+    rows = table[table["kind"] == "dropped keys"]
+    assert len(rows) == tiny_model.args.n_layers * tiny_model.args.n_heads and set(rows["block"]) == {0, 1, 2}
+    assert torch.equal(
+        torch.tensor(rows["value"].to_numpy()), torch.cat([sparse.site(i, "attn.attribution_dropped") for i in range(3)])
+    )
+    assert not set(table["kind"]) - {*ATTRIBUTION_PARTS, "rest", "source", "source_rest", "dropped keys"}
+
+
+def test_the_dropped_keys_are_what_dense_attention_adds_in_the_first_block(tiny_model):
+    """Block 0 reads the embeddings whatever the attention does later, so running it densely gives
+    the counterfactual's inputs: its attention update less the sparse run's, along the sparse run's
+    direction, is the sum of block 0's dropped parts (up to the bfloat16 rounding of the updates)."""
+    request = AttributionRequest()
+    trace, seen, t = _attributed(tiny_model, IDS, request)
+    target = AttributionRequest(target=trace.extra["attribution"]["target"])
+    dense = trace_tokens(
+        tiny_model, IDS, record="default,layers.0.attn_out", attribution=target, interventions=[IndexTopK.dense()]
+    )
+    u = _direction(tiny_model, trace, seen["stream"]).double()
+    moved = dense.site(0, "attn_out")[t].double() - trace.site(0, "attn_out")[t].double()
+    want, got = float(moved @ u), float(trace.site(0, "attn.attribution_dropped").double().sum())
+    scale = float(
+        (dense.site(0, "attn_out")[t].double() * u).abs().sum() + (trace.site(0, "attn_out")[t].double() * u).abs().sum()
+    )
+    assert abs(want - got) <= 2**-7 * scale and abs(got) > 2**-5 * scale, (want, got, scale)

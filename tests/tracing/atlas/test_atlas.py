@@ -29,10 +29,11 @@ from model.moe import RouterRule, select_experts  # noqa: E402
 from tracing.analyses.recall import head_recall  # noqa: E402
 from tracing.atlas import AtlasError, build_atlas, read_atlas  # noqa: E402
 from tracing.atlas.corpus import Corpus, Source  # noqa: E402
-from tracing.atlas.counts import RECALL_BINS, far_pairs, sink_bins  # noqa: E402
+from tracing.atlas.counts import RECALL_BINS, check_state, far_pairs, sink_bins  # noqa: E402
 from tracing.atlas.tables import COLUMNS, PRIOR, _expert_tokens  # noqa: E402
 from tracing.cli.commands import main  # noqa: E402
 from tracing.cli.loading import DEMO, open_checkpoint  # noqa: E402
+from tracing.errors import InputError  # noqa: E402
 from tracing.runner import trace_tokens  # noqa: E402
 
 SAMPLE = DEMO / "heldout_sample.txt"
@@ -190,6 +191,35 @@ def test_every_table_agrees_with_the_traced_sequences(atlas_dir, demo):
         assert figures["max_over_mean"] == pytest.approx(counts.max() / counts.mean())
         assert figures["cv"] == pytest.approx(counts.std() / counts.mean()) and figures["never_chosen"] == (counts == 0).sum()
     assert atlas.summary["texts"][0]["sha256"] == __import__("hashlib").sha256(SAMPLE.read_bytes()).hexdigest()
+
+
+def test_the_block_measures_are_the_traced_overlaps_and_near_ties(atlas_dir, demo):
+    """Per block the mean of ``attn.indexer.overlap_prev`` over the queries that see more than
+    index_topk keys, and per MoE block the share of routings whose ``ffn.gate.margin`` and
+    ``ffn.gate.group_margin`` fall below 1e-3, as the traced sequences give them one by one."""
+    args, first = demo.model.args, demo.model.args.index_topk
+    corpus = Corpus([Source(SAMPLE)], demo.tokenizer, SEQ_LEN, 1, MAX_TOKENS)
+    sites = "layers.*.attn.indexer.overlap_prev,layers.*.ffn.gate.margin,layers.*.ffn.gate.group_margin"
+    traces = [trace_tokens(demo.model, batch[0], record=sites).tensors for batch in corpus.batches()]
+    table = read_atlas(atlas_dir).tables["block_measures"].set_index("block")
+    assert list(table.index) == list(range(args.n_layers)) and list(table.columns) == list(COLUMNS["block_measures"][1:])
+    assert table.loc[0, "overlap_queries"] == 0 and np.isnan(table.loc[0, "overlap_prev"])
+    for block in range(1, args.n_layers):
+        overlap = np.concatenate([tr[f"layers.{block}.attn.indexer.overlap_prev"][first:].numpy() for tr in traces])
+        assert table.loc[block, "overlap_queries"] == len(overlap) > 0
+        assert table.loc[block, "overlap_prev"] == pytest.approx(overlap.mean(), abs=1e-6) and 0 < overlap.mean() < 1
+    assert table.loc[0, "routings"] == 0 and np.isnan(table.loc[0, "near_tie_share"])  # the demo's dense block
+    for block in range(args.n_dense_layers, args.n_layers):
+        for column, site in (("near_tie", "margin"), ("group_near_tie", "group_margin")):
+            margins = np.concatenate([tr[f"layers.{block}.ffn.gate.{site}"].numpy() for tr in traces])
+            ties = int((margins < 1e-3).sum())
+            assert table.loc[block, f"{column}s"] == ties and table.loc[block, "routings"] == len(margins) == MAX_TOKENS
+            assert table.loc[block, f"{column}_share"] == pytest.approx(ties / MAX_TOKENS)
+    assert table["near_ties"].sum() > 0  # the demo's routings come near a tie now and then
+    state = load_file(str(atlas_dir / "atlas_state.safetensors"))
+    older = {name: value for name, value in state.items() if name not in ("overlap_sum", "overlap_queries")}
+    with pytest.raises(InputError, match="holds no overlap_sum .written before the atlas counted it"):
+        check_state(older, args, SEQ_LEN, "old.safetensors")  # a checkpoint of an atlas without these counts
 
 
 def test_recall_is_the_dense_mass_on_the_selected_keys():
