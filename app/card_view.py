@@ -7,12 +7,14 @@ from functools import partial
 
 import streamlit as st
 
+from tracing.sites import is_indexer_site
+
 from .core.session import View
 from .pages import PAGES
 from .topics import card_plots, cards
 from .topics.attention import recorded_heads
 from .topics.attribution import CARD_PARTS
-from .widgets import fragment, lazy_expander, lazy_tabs, memo_chart, missing, page_view
+from .widgets import fragment, lazy_expander, lazy_tabs, memo_chart, missing, no_indexer, page_view
 
 ATTRIBUTION = next(p for p in PAGES if p.name == "attribution")
 
@@ -100,6 +102,9 @@ def live_plot(card: cards.Card, view: View, block: int | None, note: str, key: s
     if note:
         st.caption(f":material/info: {note}")
     if block is None:
+        return
+    if not view.config.has_indexer and any(is_indexer_site(site) for site in card.sites):
+        no_indexer()
         return
     plot = card_plots.PLOTS.get(card.plot)
     if plot is None:

@@ -232,4 +232,4 @@ def diff_downloads(base: Entry, iv: Entry, tables: dict) -> None:
             shown = changed_rows(frame, name) if only else frame
             if len(shown) > MAX_ROWS:
                 st.caption(f"The first {MAX_ROWS:,} of {len(shown):,} rows:")
-            st.dataframe(shown.head(MAX_ROWS), hide_index=True, width="stretch")
+            widgets.table(st, shown.head(MAX_ROWS), f"diff {name}")

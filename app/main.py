@@ -50,7 +50,9 @@ def main() -> None:
     if dropped:
         notices.warning(f"The link's {', '.join(dropped)} could not be read and were left out.", icon=":material/link_off:")
     widgets.guarded(lambda: sidebar.render(notices), "The sidebar")
+    widgets.new_page(page.title)
     widgets.guarded(page.run, f"The page {page.title}")
+    widgets.guarded(lambda: widgets.page_downloads(page.title), "The page's downloads")
     links.store(st.session_state, st.query_params, session.defaults())
 
 

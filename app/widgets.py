@@ -1,23 +1,28 @@
-"""Streamlit pieces the pages share: the page header, charts drawn once per trace, tabs and expanders
-drawn only when open, downloads, the notices for what is missing, and the guard that keeps an
-unforeseen error to one line."""
+"""Streamlit pieces the pages share: the page header, charts and tables (each kept for the page's
+download of all its figures and tables), tabs and expanders drawn only when open, downloads, the
+notices for what is missing, and the guard that keeps an unforeseen error to one line."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Mapping
+from contextvars import ContextVar
 
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from tracing.sites import INDEXER_MISSING
 from tracing.tables import to_csv_bytes
 
 from .core.markup import escape_md
 from .core.session import View, current, origin
+from .topics.export import ZIP, page_zip_bytes, slug
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
+DRAWN = "page_drawn"  # session key: the page whose figures and tables were drawn, and them
 log = logging.getLogger(__name__)
+_owner: ContextVar[str | None] = ContextVar("drawn_by", default=None)  # the tabs drawing now (lazy_tabs)
 
 
 def guarded(run: Callable[[], None], what: str) -> None:
@@ -59,6 +64,62 @@ def chart(fig: go.Figure, key: str | None = None) -> None:
     # theme=None: the figures bring their look and their margins (topics.figures, topics.margins);
     # Streamlit's theme would restyle each one in the browser and let its margins grow in a second draw
     st.plotly_chart(fig, width="stretch", config=CHART_CONFIG, key=key, theme=None)
+    title = fig.layout.title.text if fig.layout.title and fig.layout.title.text else (key or "figure")
+    keep(key or title, title, fig)
+
+
+def table(where, frame: pd.DataFrame, name: str) -> None:
+    """A table on the page (``where``: st or a container), kept for the page's download as ``name``.csv."""
+    where.dataframe(frame, hide_index=True, width="stretch")
+    keep(f"table:{name}", name, frame)
+
+
+def first_token_toggle(key: str, what: str = "position 0") -> bool:
+    """The switch that leaves the first token out of a figure's scale, where it dominates."""
+    return st.toggle(
+        f"Leave out {what}",
+        key=key,
+        help="The first token's values are often many times the rest's: without it the colours and bars fit the others.",
+    )
+
+
+# --- the page's figures and tables, for one download --------------------------------------------------------
+def new_page(name: str) -> None:
+    """Start the page's list of drawn figures and tables (each full run of the page draws them anew)."""
+    st.session_state[DRAWN] = {"page": name, "items": {}}
+
+
+def drawn() -> dict[str, tuple[str | None, str, go.Figure | pd.DataFrame]]:
+    """What the page drew, by key: (the tabs that drew it, its title, the figure or table)."""
+    got = st.session_state.get(DRAWN)
+    return got["items"] if got else {}
+
+
+def keep(key: str, title: str, item: go.Figure | pd.DataFrame) -> None:
+    got = st.session_state.get(DRAWN)
+    if got is not None:
+        got["items"][key] = (_owner.get(), title, item)
+
+
+def page_downloads(name: str) -> None:
+    """One button at the page's end: every figure (standalone HTML and its JSON) and table (CSV) the
+    page drew, in one zip. Made when clicked, from the list as it is then (a tab opened since adds its
+    figures)."""
+    items = drawn()
+    if not items:
+        return
+    st.divider()
+    download(
+        st,
+        "All figures and tables (zip)",
+        lambda: page_zip_bytes([(title, item) for _, title, item in items.values()]),
+        f"{slug(name)}-figures.zip",
+        ZIP,
+        "page_zip",
+        ":material/folder_zip:",
+        help="Each figure as a standalone HTML file (open it in a browser, interactive) with its plotly JSON, "
+        "each table as CSV. PNG and SVG need kaleido and a Chrome, which this app does not install.",
+    )
 
 
 def memo_chart(view: View, key: str, build: Callable[[], go.Figure | None], *args: Hashable) -> go.Figure | None:
@@ -82,8 +143,15 @@ def _open_tab(views: Mapping[str, Callable[[], None]], key: str) -> None:
     labels = list(views)
     tabs = st.tabs(labels, key=key, on_change="rerun")
     label, tab = next(((label, tab) for label, tab in zip(labels, tabs, strict=True) if tab.open), (labels[0], tabs[0]))
-    with tab:
-        views[label]()
+    items = drawn()
+    for shown in [k for k, (owner, _, _) in items.items() if owner == key]:  # the tab shown before: not drawn now
+        del items[shown]
+    token = _owner.set(key)
+    try:
+        with tab:
+            views[label]()
+    finally:
+        _owner.reset(token)
 
 
 def fragment(draw: Callable[[], None], what: str) -> None:
@@ -127,6 +195,13 @@ def no_trace() -> None:
         "Nothing traced yet. Choose a model source in the sidebar (the bundled demo, a checkpoint directory, "
         "or a trace file), type a prompt and press **Trace**.",
         icon=":material/arrow_back:",
+    )
+
+
+def no_indexer(where=st) -> None:
+    """The one line an indexer view shows for a model without one (DeepSeek-V3's layout)."""
+    where.info(
+        f"{INDEXER_MISSING[0].upper()}{INDEXER_MISSING[1:]}: every query attends to all its earlier keys.", icon=":material/info:"
     )
 
 

@@ -96,6 +96,7 @@ LINKED: dict[str, Callable[[str], Any]] = {
     "iv_at": _text(64),
     "iv_no_bias": _flag,
     "iv_attention": _one_of("model", "dense", "topk"),
+    "iv_no_act_fp8": _flag,
     "patch_clean": _text(LONGEST),
     "patch_corrupt": _text(LONGEST),
 }

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 
 from app.core import paths
 from tracing.atlas import Atlas, AtlasError, read_atlas
+from tracing.atlas.tables import experts_table, find_token, search_experts, token_routes
 
 from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_axis, right_axis
 from .tokens import show_token
@@ -216,6 +217,61 @@ def expert_card(atlas: Atlas, block: int, expert: int, matrix: np.ndarray) -> di
     }
 
 
+# --- every expert, and one token --------------------------------------------------------------------------------
+def experts(atlas: Atlas, search: str = "") -> pd.DataFrame:
+    """Every block's experts in one table (tracing.atlas.tables.experts_table), the rows ``search``
+    names, their most specific tokens as one text cell (whitespace made visible)."""
+    frame = search_experts(experts_table(atlas.tables), search)
+    shown = frame["top_tokens"].map(lambda tokens: "  ".join(show_token(t, html_escape=False) for t in tokens))
+    return frame.drop(columns=["top_tokens", "top_token_ids"]).assign(most_specific_tokens=shown).reset_index(drop=True)
+
+
+def token_search(atlas: Atlas, text: str) -> tuple[int | None, pd.DataFrame | None, str]:
+    """The token ``text`` names (its text as tokenised, or its id): its id, per block the experts that
+    took it, and a line that says what was found or why nothing was."""
+    if "token_experts" not in atlas.tables:
+        return None, None, "This atlas has no token_experts table (an earlier version): `--resume` on its run writes it."
+    token = find_token(atlas.tables, text)
+    if token is None:
+        spaced = "" if text.startswith(" ") or find_token(atlas.tables, " " + text) is None else f"; {' ' + text!r} is"
+        min_count = atlas.summary.get("settings", {}).get("min_count", "--min-count")
+        return None, None, f"{text!r} is not in the atlas: no token of that text or id seen at least {min_count} times{spaced}"
+    routes = token_routes(atlas.tables, token)
+    occurrences = int(routes["occurrences"].iloc[0])
+    name = show_token(str(routes["token"].iloc[0]), html_escape=False)
+    return token, routes.drop(columns=["token_id", "token", "occurrences"]), f"{name} (id {token}): seen {occurrences:,} times"
+
+
+def token_figure(routes: pd.DataFrame, label: str, n_experts: int) -> go.Figure:
+    """Block x expert: the share of the token's routings each expert took (blank: not among its experts)."""
+    grid = routes.pivot(index="block", columns="expert", values="share").reindex(columns=range(n_experts)).sort_index()
+    counts = routes.pivot(index="block", columns="expert", values="count").reindex_like(grid)
+    rows = [f"block {b}" for b in grid.index]
+    trace = heatmap(
+        grid.to_numpy() * 100,
+        rows,
+        "%{y} expert %{x}<br>%{z:.1f}% of the token's routings (%{customdata:,} times)",
+        x=list(range(n_experts)),
+        customdata=counts.to_numpy(),
+        scale="% of routings",
+        zmin=0,
+    )
+    return figure(
+        [trace],
+        f"Which experts take {label} in each block",
+        height=heat_height(len(rows), lo=220, per=22),
+        yaxis=reversed_axis(),
+        xaxis={"title": "expert"},
+    )
+
+
+def matches(atlas: Atlas, config: dict) -> bool:
+    """Whether the atlas counted a model of this shape (blocks, experts, vocabulary), so its experts are these."""
+    mine = atlas.summary.get("config", {})
+    fields = ("n_layers", "n_dense_layers", "n_routed_experts", "n_activated_experts", "vocab_size", "dim")
+    return all(mine.get(f) == config.get(f) for f in fields)
+
+
 # --- routing bias ---------------------------------------------------------------------------------------------
 def bias_figure(atlas: Atlas) -> go.Figure:
     bias = atlas.tables["bias_effect"].sort_values("block")
@@ -238,7 +294,58 @@ def bias_figure(atlas: Atlas) -> go.Figure:
     )
 
 
+def near_tie_figure(atlas: Atlas) -> go.Figure | None:
+    """Per MoE block, the share of routings that were near-ties (margin below 1e-3), of the experts and
+    of the groups; None for an atlas without the block measures."""
+    table = atlas.tables.get("block_measures")
+    if table is None:
+        return None
+    table = table[table["routings"] > 0].sort_values("block")
+    if table.empty:
+        return None
+    x = [f"block {b}" for b in table["block"]]
+    traces = [
+        {
+            "type": "bar",
+            "x": x,
+            "y": table[column] * 100,
+            "customdata": table[count],
+            "name": name,
+            "marker": {"color": COLORS[colour]},
+            "hovertemplate": f"%{{x}}<br>%{{y:.2f}}% of routings (%{{customdata:,}}) {name}<extra></extra>",
+        }
+        for column, count, name, colour in (
+            ("near_tie_share", "near_ties", "near-tie experts", "moe"),
+            ("group_near_tie_share", "group_near_ties", "near-tie groups", "attention"),
+        )
+        if table[column].notna().any()
+    ]
+    title = "Near-ties: routings whose margin (last chosen - best unchosen) is below 1e-3"
+    return figure(traces, title, height=300, yaxis={"title": "% of routings", "rangemode": "tozero"})
+
+
 # --- the indexer ----------------------------------------------------------------------------------------------
+def overlap_figure(atlas: Atlas) -> go.Figure | None:
+    """Per block, the mean Jaccard overlap of the indexer's selection with the block before's; None
+    for an atlas without the block measures or where no query saw more than index_topk keys."""
+    table = atlas.tables.get("block_measures")
+    if table is None:
+        return None
+    table = table[table["overlap_queries"] > 0].sort_values("block")
+    if table.empty:
+        return None
+    trace = {
+        "type": "bar",
+        "x": [f"block {b}" for b in table["block"]],
+        "y": table["overlap_prev"],
+        "customdata": table["overlap_queries"],
+        "marker": {"color": COLORS["attention"]},
+        "hovertemplate": "%{x}<br>mean overlap %{y:.3f} over %{customdata:,} queries<extra></extra>",
+    }
+    title = "How much each block's picks overlap the block before's (mean Jaccard, queries past index_topk)"
+    return figure([trace], title, height=300, yaxis={"title": "overlap", "range": [0, 1.02]})
+
+
 def distance_figure(atlas: Atlas) -> go.Figure:
     """Block x log2 distance: where the selected keys lie behind their query, as a share per block."""
     dist = atlas.tables["indexer_distance"]

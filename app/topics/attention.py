@@ -14,7 +14,7 @@ from tracing.trace import Trace
 
 from .arrays import future_mask, site
 from .figures import ATTN, COLORS, SEQUENTIAL, figure, heat_height, heatmap, positions, reversed_axis, rows_figure
-from .tokens import token_texts
+from .tokens import show_token, token_texts
 
 MASK_NAMES = ("future (causal mask)", "visible, not selected (−∞)", "selected (0)")
 
@@ -249,3 +249,56 @@ def indexer_quality(table: pd.DataFrame, index_topk: int) -> pd.DataFrame | None
         return None
     columns = [c for c in ("recall", "kl", "overlap_prev") if c in pruned]
     return pruned.groupby("block")[columns].mean().reset_index()
+
+
+# --- this prompt's sinks -----------------------------------------------------------------------------------
+def prompt_sinks(trace: Trace) -> tuple[pd.DataFrame, list[int], np.ndarray] | None:
+    """The keys the indexer keeps from afar in this prompt, as the atlas's indexer_sinks counts them
+    over a corpus: a query at least index_topk positions after the key (it has index_topk nearer keys
+    to choose, so nearness is not why it kept this one). Per block and key position: ``kept`` such
+    queries that kept the key, ``queries`` such queries, ``share`` = kept / queries. Also the
+    blocks and their (blocks, positions) grid of shares (NaN: no query that far). None without a
+    recorded selection."""
+    first, n = trace.config.index_topk, trace.n_tokens
+    blocks = trace.layers_with("attn.indexer.topk_indices")
+    if not blocks:
+        return None
+    query, key = np.arange(n)[:, None], np.arange(n)[None, :]
+    far = query - key >= first  # (T, S): the pairs from afar
+    queries = far.sum(axis=0)  # (S,)
+    kept = np.stack([(selected_keys(trace, b) & far).sum(axis=0) for b in blocks])  # (blocks, S)
+    share = np.where(queries > 0, kept / np.maximum(queries, 1), np.nan)  # (blocks, S)
+    seen = np.flatnonzero(queries > 0)
+    texts = list(trace.tokens)
+    frame = pd.DataFrame(
+        {
+            "block": np.repeat(blocks, len(seen)),
+            "position": np.tile(seen, len(blocks)),
+            "token": [show_token(texts[p], html_escape=False) for p in seen] * len(blocks),
+            "kept": kept[:, seen].ravel(),
+            "queries": np.tile(queries[seen], len(blocks)),
+            "share": share[:, seen].ravel(),
+        }
+    )
+    frame = frame.sort_values(["block", "share", "kept", "position"], ascending=[True, False, False, True], ignore_index=True)
+    return frame, blocks, share[:, seen]
+
+
+def sinks_figure(blocks: list[int], share: np.ndarray, labels: list[str], index_topk: int) -> go.Figure:
+    rows = [f"block {b}" for b in blocks]
+    trace = heatmap(
+        share,
+        rows,
+        "%{y}, key %{x}<br>kept by %{z:.0%} of the queries at least " + f"{index_topk} positions later",
+        x=labels[: share.shape[1]],
+        scale="share kept",
+        zmin=0,
+        zmax=1,
+    )
+    return figure(
+        [trace],
+        f"Keys kept from afar: the share of the queries {index_topk} or more positions later that kept each key",
+        height=heat_height(len(rows), per=22),
+        yaxis=reversed_axis(),
+        xaxis=positions(labels[: share.shape[1]], "key position"),
+    )

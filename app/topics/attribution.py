@@ -17,7 +17,18 @@ from tracing.analyses.attribution import AttributionRequest
 from tracing.tables.frames import ATTRIBUTION_PARTS, attribution_table
 from tracing.trace import Trace
 
-from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, positions, reversed_axis
+from .figures import (
+    COLORS,
+    DIVERGING,
+    figure,
+    heat_height,
+    heatmap,
+    outlier_note,
+    positions,
+    reversed_axis,
+    symmetric_range,
+    with_outliers,
+)
 from .tokens import show_token
 
 # component cards -> what their attribution shows (the cards link to the page for the chosen block)
@@ -127,17 +138,53 @@ def block_grid(trace: Trace) -> tuple[np.ndarray, list[str], list[str]] | None:
 
 
 def grid_figure(grid: np.ndarray, rows: list[str], columns: list[str]) -> go.Figure:
-    bound = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
-    heat = heatmap(
-        grid, rows, "%{y} · %{x}<br>%{z:+.4f}", x=columns, scale="logit", colorscale=DIVERGING, zmid=0, zmin=-bound, zmax=bound
-    )
+    """Blocks x parts on a symmetric scale (0 white) that covers the bulk: a part far larger than the
+    rest is marked ▲ and named, not left to wash the others out."""
+    scale = symmetric_range(grid)
+    heat = heatmap(grid, rows, "%{y} · %{x}<br>%{z:+.4f}", x=columns, colorscale=DIVERGING)
+    heat = with_outliers(heat, scale, "logit", symmetric=True)
+    heat["colorbar"].update(len=1.0, lenmode="fraction", thickness=14)
+    title = "Each block's parts: heads, routed experts, shared expert or MLP"
+    title += outlier_note(grid, scale.outliers, columns, "part")
     return figure(
         [heat],
-        "Each block's parts: heads, routed experts, shared expert or MLP",
-        height=heat_height(len(rows), lo=220, per=26),
+        title,
+        height=heat_height(len(rows), lo=320, per=26),  # tall enough for a colour bar with readable ticks
         yaxis=reversed_axis(),
         xaxis={"tickangle": -45, "tickfont": {"size": 10}},
     )
+
+
+def dropped_by_block(trace: Trace) -> pd.DataFrame | None:
+    """Per block: what the keys the indexer dropped would have added to the logit (its heads'
+    ``attn.attribution_dropped`` summed) beside what its attention did add; None without them."""
+    blocks = trace.layers_with("attn.attribution_dropped")
+    if not blocks:
+        return None
+    rows = [
+        (
+            i,
+            float(trace.site(i, "attn.attribution_dropped").double().sum()),
+            float(trace.site(i, "attn.attribution").double().sum()),
+        )
+        for i in blocks
+    ]
+    return pd.DataFrame(rows, columns=["block", "dropped", "attention"])
+
+
+def dropped_figure(frame: pd.DataFrame) -> go.Figure:
+    """One bar per block: dense attention's update less the sparse one's, along the target direction."""
+    values = frame["dropped"]
+    bar = {
+        "type": "bar",
+        "x": [f"block {b}" for b in frame["block"]],
+        "y": values,
+        "marker": {"color": np.where(values >= 0, COLORS["stream"], COLORS["moe"]).tolist()},
+        "customdata": frame["attention"],
+        "hovertemplate": "%{x}<br>dropped keys %{y:+.4f}<br>the attention's part %{customdata:+.4f}<extra></extra>",
+    }
+    title = "What the dropped keys would have added, per block (dense less sparse attention)"
+    return figure([bar], title, height=300, yaxis={"title": {"text": "logit"}})
 
 
 @dataclass
@@ -240,32 +287,51 @@ class Graph:
     levels: list[str]
 
 
-def flow_graph(trace: Trace, position: int, threshold: float) -> Graph | None:
-    """The contribution graph from the position's last stream back to the embeddings: only edges with
-    a share above ``threshold`` and, from there, only what feeds them (a key the indexer dropped has
-    share 0 and is never drawn)."""
+TOP_EDGES = 3  # the graph's default: each stream's three largest incoming edges
+
+
+def _kept(shares: np.ndarray, threshold: float | None, top: int | None) -> np.ndarray:  # (n,) bool
+    """Which of one receiving stream's incoming shares are drawn: its ``top`` largest (above 0), or
+    those above ``threshold``. The largest few show the path at any prompt length, where one threshold
+    shows a tangle on a short prompt and nothing on a long one (the shares spread over more keys)."""
+    if top is None:
+        return shares > threshold
+    keep = np.zeros(shares.shape, dtype=bool)
+    order = np.argsort(-shares, kind="stable")[:top]
+    keep[order[shares[order] > 0]] = True
+    return keep
+
+
+def flow_graph(trace: Trace, position: int, threshold: float | None = None, top: int = TOP_EDGES) -> Graph | None:
+    """The contribution graph from the position's last stream back to the embeddings: per receiving
+    stream, only its ``top`` largest incoming edges (or, given a ``threshold``, those with a share
+    above it) and, from there, only what feeds them (a key the indexer dropped has share 0 and is
+    never drawn)."""
     blocks = trace.layers_with("attn.flow")
     if not blocks:
         return None
+    top = None if threshold is not None else top
     edges, nodes = [], []
     reached = {position}
     for i in reversed(blocks):
         mid, post = 2 * i + 1, 2 * i + 2
         shares, stayed = trace.site(i, "ffn.flow").numpy(), trace.site(i, "ffn.flow_resid").numpy()
         for t in sorted(reached):
-            if stayed[t] > threshold:
-                edges.append((t, mid, t, post, float(stayed[t]), "residual"))
             brought = float(shares[t].sum())
-            if brought > threshold:
+            keep_stay, keep_ffn = _kept(np.array([stayed[t], brought]), threshold, top)
+            if keep_stay:
+                edges.append((t, mid, t, post, float(stayed[t]), "residual"))
+            if keep_ffn:
                 edges.append((t, mid, t, post, brought, "ffn"))
-                nodes.append((t, mid + 0.5, _ffn_label(shares[t], threshold), brought))
+                nodes.append((t, mid + 0.5, _ffn_label(shares[t], threshold or 0.0), brought))
         keys, kept = trace.site(i, "attn.flow").numpy(), trace.site(i, "attn.flow_resid").numpy()
         below = set()
         for t in sorted(reached):  # every reached stream at `post` came from its stream at `mid`
-            if kept[t] > threshold:
+            incoming = _kept(np.concatenate([[kept[t]], keys[t]]), threshold, top)  # (1 + S,): the residual, then each key
+            if incoming[0]:
                 edges.append((t, 2 * i, t, mid, float(kept[t]), "residual"))
                 below.add(t)
-            for s in np.flatnonzero(keys[t] > threshold):
+            for s in np.flatnonzero(incoming[1:]):
                 edges.append((int(s), 2 * i, t, mid, float(keys[t, s]), "attention"))
                 below.add(int(s))
         reached = below
@@ -286,7 +352,8 @@ def _ffn_label(shares: np.ndarray, threshold: float) -> str:
     return " · ".join(f"{names[j]} {shares[j]:.2f}" for j in order) or "experts"
 
 
-def flow_figure(graph: Graph, labels: list[str], position: int) -> go.Figure:
+def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"each stream's top {TOP_EDGES} edges") -> go.Figure:
+    """The graph's edges, wider for larger shares; ``rule`` (which edges are drawn) goes in the title."""
     colours = {"attention": COLORS["attention"], "residual": COLORS["norm"], "ffn": COLORS["ffn"]}
     traces = []
     for kind, colour in colours.items():
@@ -329,7 +396,7 @@ def flow_figure(graph: Graph, labels: list[str], position: int) -> go.Figure:
             }
         )
     ticks = list(range(len(graph.levels)))
-    title = f"Contribution graph into position {position}: edges above the threshold, keys the indexer dropped never drawn"
+    title = f"Contribution graph into position {position}: {rule}; keys the indexer dropped never drawn"
     return figure(
         traces,
         title,

@@ -1,6 +1,7 @@
 """Interventions: a baseline and an intervened trace of one prompt, compared (tracing.analyses.diff): where
 the stream starts to move, which experts, keys and lens predictions changed, how the next token moved.
-Also what the page picks per block (experts to ablate or zero, heads to ablate) as plain values."""
+Also what the page picks per block (experts to ablate or zero, heads to ablate) as plain values, and the
+figure of one prompt on two checkpoints."""
 
 from __future__ import annotations
 
@@ -17,7 +18,18 @@ from tracing.analyses.interventions import AblateHeads, from_spec
 from tracing.errors import InputError
 from tracing.trace import Trace
 
-from .figures import COLORS, figure, group_lines, heatmap, positions, reversed_axis, right_axis, rows_figure, write_cells
+from .figures import (
+    COLORS,
+    cells_note,
+    figure,
+    group_lines,
+    heatmap,
+    positions,
+    reversed_axis,
+    right_axis,
+    rows_figure,
+    write_cells,
+)
 from .tokens import show_token
 
 _DRIFT_SITES = {"resid_pre": "in", "resid_mid": "after attention", "resid_post": "out"}
@@ -126,6 +138,17 @@ TABLES = {
     "indexer_keys": ("Indexer keys", "Per block and query position: the keys the indexer selected in each run."),
     "predictions": ("Logit lens", "Per block and position: the logit lens's top-1 token in each run, with its probability."),
     "next_token": ("Next token", "The top next tokens of either run after the last position, with both probabilities."),
+    "blocks": (
+        "Per block",
+        "One row per block, means over positions: the output's drift (relative L2, cosine), the experts' and keys' "
+        "Jaccard and the share of positions whose set changed, the attention's total variation.",
+    ),
+    "attention": (
+        "Attention",
+        "Per block and query position: the total variation ½ Σ|p_a − p_b| of the attention over the keys (mean over "
+        "heads), the key each run reads most, each run's mass on the keys the other's indexer selected.",
+    ),
+    "logits": ("Logits", "Per position: KL(p_a ‖ p_b) of the next-token distributions and both top-1 tokens."),
 }
 
 
@@ -365,7 +388,7 @@ def lens_changes_figure(lc: LensChange, labels: list[str]) -> go.Figure:
         xgap=1,
         ygap=1,
     )
-    title = "Logit lens: where the top-1 token changed (orange; the cell names the new one, hover: before → after)"
+    title = "Logit lens: where the top-1 token changed (orange; hover: before → after)" + cells_note(len(labels), "the new token")
     xaxis = positions(labels, "position (predicting the next token)")
     return rows_figure([write_cells(heat, lc.text, len(labels))], rows, title, xaxis, lo=260, per=40)
 
@@ -395,4 +418,54 @@ def next_token_change_figure(df: pd.DataFrame) -> go.Figure:
         barmode="group",
         yaxis={**reversed_axis(), "type": "category"},
         xaxis={"title": {"text": "probability"}},
+    )
+
+
+def checkpoint_blocks_figure(blocks: pd.DataFrame, names: tuple[str, str]) -> go.Figure:
+    """Two checkpoints on one prompt, per block (diff_tables()['blocks']): the share of positions whose
+    experts, indexer keys or most-read key differ, and the attention's total variation (0-1, left),
+    the output's mean relative L2 drift (right)."""
+    x = [f"block {i}" for i in blocks["block"]]
+    traces: list[dict] = []
+    for column, name, color in (
+        ("experts_changed_share", "experts changed", COLORS["moe"]),
+        ("keys_changed_share", "indexer keys changed", COLORS["attention"]),
+        ("top_key_changed_share", "most-read key changed", COLORS["ffn"]),
+    ):
+        if blocks[column].notna().any():
+            traces.append(
+                {
+                    "type": "bar",
+                    "x": x,
+                    "y": blocks[column],
+                    "name": name,
+                    "marker": {"color": color},
+                    "hovertemplate": "%{x}: " + name + " at %{y:.0%} of the positions<extra></extra>",
+                }
+            )
+    for column, name, color, axis, shown in (
+        ("attn_tv", "attention moved (total variation)", COLORS["marker"], "y", ".3f"),
+        ("rel_l2_mean", "output drift (mean rel. L2)", COLORS["stream"], "y2", ".4g"),
+    ):
+        if blocks[column].notna().any():
+            traces.append(
+                {
+                    "type": "scatter",
+                    "x": x,
+                    "y": blocks[column],
+                    "yaxis": axis,
+                    "mode": "lines+markers",
+                    "name": name,
+                    "line": {"color": color},
+                    "hovertemplate": "%{x}: " + name + " %{y:" + shown + "}<extra></extra>",
+                }
+            )
+    return figure(
+        traces,
+        f"{names[1]} against {names[0]}, block by block: what differs on this prompt",
+        height=400,
+        barmode="group",
+        xaxis={"title": {"text": "block"}},
+        yaxis={"title": {"text": "share of positions · total variation"}, "range": [0, 1.05]},
+        yaxis2=right_axis("mean relative L2", tickformat=".2g"),
     )

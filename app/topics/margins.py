@@ -86,7 +86,8 @@ def margins(traces: list[dict], layout: dict) -> dict:
         if heat or (trace.get("marker") or {}).get("showscale"):
             title = (bar.get("title") or {}).get("text", "")
             offset = 0 if bar.get("x") is not None else BAR_OFFSET
-            need["r"] = max(need["r"], offset + BAR + max(_px([title], FONT), NUMBER * FONT * CHAR))
+            ticks = [f"{t}." for t in bar.get("ticktext") or ()]  # an outlier's end "≥ X": its sign is wider than a digit
+            need["r"] = max(need["r"], offset + BAR + max(_px([title, *ticks], FONT), NUMBER * FONT * CHAR))
     legend = layout.get("legend") or {}
     named = [t.get("name") for t in traces if t.get("name") and t.get("showlegend") is not False]
     if layout.get("showlegend") or (layout.get("showlegend") is None and len(named) > 1):

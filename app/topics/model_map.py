@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 
 from model.config import ModelArgs
 from model.params import block_components, count_params
+from tracing.sites import INDEXER_MISSING
 
 from .figures import COLORS, figure, reversed_axis
 from .tokens import show_token
@@ -86,7 +87,10 @@ def params_table(args: ModelArgs) -> pd.DataFrame:
 
 
 def config_table(cfg: ModelArgs) -> pd.DataFrame:
-    rows = [(group, name, str(getattr(cfg, name))) for group, names in CONFIG_GROUPS.items() for name in names]
+    groups = CONFIG_GROUPS if cfg.has_indexer else {g: names for g, names in CONFIG_GROUPS.items() if g != "lightning indexer"}
+    rows = [(group, name, str(getattr(cfg, name))) for group, names in groups.items() for name in names]
+    if not cfg.has_indexer:
+        rows.append(("lightning indexer", "indexer", INDEXER_MISSING))
     rows.append(("MoE router", "correction bias", "yes" if cfg.has_gate_bias else "no"))
     rows.append(("RoPE / YaRN", "YaRN", "on" if cfg.use_yarn else "off"))
     rows.append(("MLA", "softmax scale", f"{cfg.softmax_scale:.6f}"))
@@ -111,7 +115,7 @@ def token_strip(tokens: list[str]) -> str:
 
 def block_map_figure(args: ModelArgs, per_block: pd.DataFrame, chosen: int | None = None) -> go.Figure:
     """One column per block, its four sub-layers as rows; colour tells dense from MoE."""
-    rows = ["attn_norm", "MLA + indexer", "ffn_norm", "FFN"]
+    rows = ["attn_norm", "MLA + indexer" if args.has_indexer else "MLA", "ffn_norm", "FFN"]
     n = args.n_layers
     kind = np.zeros((4, n))
     text = np.empty((4, n), dtype=object)
@@ -133,7 +137,9 @@ def block_map_figure(args: ModelArgs, per_block: pd.DataFrame, chosen: int | Non
             ffn_info = f"block {b} dense MLP<br>{ffn:,} params"
         cells = [
             (0.0, "norm", f"block {b} attn_norm<br>RMSNorm, {norms:,} params"),
-            (1.0, "MLA", f"block {b} attention<br>MLA {mla:,} + indexer {indexer:,} = {mla + indexer:,} params"),
+            (1.0, "MLA", f"block {b} attention<br>MLA {mla:,} + indexer {indexer:,} = {mla + indexer:,} params")
+            if args.has_indexer
+            else (1.0, "MLA", f"block {b} attention<br>MLA {mla:,} params; {INDEXER_MISSING}"),
             (0.0, "norm", f"block {b} ffn_norm<br>RMSNorm, {norms:,} params"),
             (3.0 if moe else 2.0, "MoE" if moe else "MLP", ffn_info),
         ]

@@ -165,7 +165,7 @@ def residual_norms_figure(g: ResidualGrids, labels: list[str], skip_first: bool 
     z = without_first(g.norm) if skip_first else g.norm
     scale = robust_range(z)
     heat = heatmap(z, g.rows, "%{y}<br>position %{x}<br>|x| = %{z:.3f}", x=labels)
-    title = "Residual stream norm |x| per layer and position" + (FIRST_LEFT_OUT if skip_first else "")
+    title = "Residual stream norm |x| per block and position" + (FIRST_LEFT_OUT if skip_first else "")
     title += outlier_note(z, scale.outliers, labels, "|x|")
     return rows_figure([with_outliers(heat, scale, "|x|")], g.rows, title, positions(labels, "position"), lo=380, per=34)
 

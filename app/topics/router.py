@@ -268,6 +268,44 @@ def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: flo
         "hovertemplate": "%{x}<br>margin %{y:.5f}<extra></extra>",
         "name": "margin",
     }
+    traces = [trace]
     ties = int(frame["near_tie"].sum())
     title = f"Block {block}: routing margin per position ({ties} near-tie{'s' if ties != 1 else ''} below {near:g}, in red)"
-    return figure([trace], title, xaxis=positions(labels, "position"), yaxis={"title": {"text": "k-th chosen - best unchosen"}})
+    if "group_margin" in frame and frame["group_margin"].notna().any():  # the group step's margin beside the experts'
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": labels,
+                "y": frame["group_margin"],
+                "marker": {"symbol": "diamond", "size": 9, "color": COLORS["attention"], "line": {"width": 1}},
+                "hovertemplate": "%{x}<br>group margin %{y:.5f}<extra></extra>",
+                "name": "group margin",
+            }
+        )
+        group_ties = int(frame["near_tie_group"].sum())
+        title += f"; groups (diamonds): {group_ties} near-tie{'s' if group_ties != 1 else ''}"
+    yaxis = {"title": {"text": "last chosen - best unchosen"}}
+    return figure(traces, title, xaxis=positions(labels, "position"), yaxis=yaxis)
+
+
+# --- where an atlas's expert fires in this prompt -----------------------------------------------------------
+def busiest_expert(r: Routing) -> int:
+    """The expert most tokens of the prompt chose in this block (ties: the lower number)."""
+    return int(np.argmax(r.selected.sum(axis=0)))
+
+
+def marked_tokens(tokens: list[str], marked: np.ndarray, weight: np.ndarray) -> str:
+    """The prompt with the tokens routed to one expert on a coloured background (hover: position and
+    gate weight), the others in grey. HTML, every token escaped."""
+    parts = []
+    for i, (token, on) in enumerate(zip(tokens, marked, strict=True)):
+        text = html.escape(token).replace("\n", "⏎<br>") or "∅"
+        if on:
+            parts.append(
+                f'<span class="routed-token" data-position="{i}" title="position {i} · gate weight {weight[i]:.3f}" '
+                f'style="background:{COLORS["moe"]}55;color:inherit;border-radius:3px;padding:0 1px">{text}</span>'
+            )
+        else:
+            parts.append(f'<span data-position="{i}" title="position {i}" style="color:#888">{text}</span>')
+    return f'<div style="white-space:pre-wrap;line-height:1.9;font-size:1.05rem">{"".join(parts)}</div>'

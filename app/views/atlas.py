@@ -19,7 +19,8 @@ SOURCES = ("bundled", "dir", "upload")
 SOURCE_LABELS = {"bundled": "Bundled demo atlas", "dir": "Atlas directory", "upload": "Zipped atlas"}
 ATLAS = "an atlas directory"  # what the directory field opens, in its one refusal (app.core.paths)
 SUMMARY = "summary.json"
-SECTIONS = ("Expert load", "Co-activation", "One expert", "Routing bias", "Indexer")
+SECTIONS = ("Expert load", "Experts", "Token search", "Co-activation", "One expert", "Routing bias", "Indexer")
+OPENED = "atlas_opened"  # the atlas this session opened last: the Router page draws its experts
 
 
 @st.cache_resource(max_entries=8, show_spinner=False)
@@ -93,6 +94,7 @@ def page() -> None:
     atlas = _open()
     if atlas is None:
         return
+    st.session_state[OPENED] = atlas
     summary = atlas.summary
     st.markdown(
         f":gray-badge[:material/description: {summary.get('sequences', 0):,} sequences] "
@@ -107,10 +109,15 @@ def page() -> None:
     elif section == "Routing bias":
         widgets.chart(topic.bias_figure(atlas), key="atlas_bias")
         _table(atlas, "bias_effect")
+        _block_measures(atlas, topic.near_tie_figure(atlas), "atlas_near_ties")
     elif section == "Indexer":
         _indexer(atlas)
     elif not moe:
         st.info("This atlas counted no MoE block.")
+    elif section == "Experts":
+        _experts(atlas)
+    elif section == "Token search":
+        _token_search(atlas)
     elif section == "Co-activation":
         block = st.selectbox("Block", moe, key="atlas_block", format_func=lambda b: f"block {b}")
         as_lift = st.toggle("As lift (observed / independent)", key="atlas_lift", value=True)
@@ -133,6 +140,59 @@ def _expert_load(atlas: Atlas) -> None:
     _table(atlas, "expert_load")
 
 
+def session_atlas() -> Atlas | None:
+    """The atlas this session opened on this page last, else the bundled demo atlas (None without one)."""
+    atlas = st.session_state.get(OPENED)
+    if atlas is None and (topic.BUNDLED / SUMMARY).is_file():
+        try:
+            atlas = _open_dir(str(topic.BUNDLED), _stamp(str(topic.BUNDLED)))
+        except (AtlasError, OSError):
+            return None
+    return atlas
+
+
+def _experts(atlas: Atlas) -> None:
+    search = st.text_input(
+        "Search",
+        key="atlas_search",
+        placeholder="a block or expert number, or part of a token",
+        help="Keeps the rows whose block or expert is the number typed, or one of whose most specific tokens holds the text",
+    )
+    frame = topic.experts(atlas, search)
+    st.caption(
+        f"{len(frame):,} experts. Every block's routed experts: `count` tokens that chose it, `share` of the block's "
+        "selections, `mean_weight` its mean gate weight, and its five most specific tokens (specificity: PMI with a "
+        "count prior). Click a column to sort."
+    )
+    widgets.table(st, frame, "experts")
+    widgets.csv_button(st, frame, "experts.csv", key="atlas_csv_experts")
+
+
+def _token_search(atlas: Atlas) -> None:
+    text = st.text_input(
+        "Token",
+        key="atlas_token",
+        placeholder="a token as the tokenizer writes it (leading space included), or its id",
+    )
+    if not text:
+        st.caption("Type a token, or its id, to see which experts take it in each block.")
+        return
+    token, routes, line = topic.token_search(atlas, text)
+    if routes is None:
+        st.info(widgets.escape_md(line), icon=":material/search_off:")
+        return
+    st.markdown(widgets.escape_md(line))
+    n = int(atlas.summary.get("n_routed_experts") or routes["expert"].max() + 1)
+    label = topic.show_token(str(atlas.tables["token_experts"].query("token_id == @token")["token"].iloc[0]))
+    widgets.chart(topic.token_figure(routes, label, n), key="atlas_token_figure")
+    st.caption(
+        "Per block, the experts that took the token: `count` of its occurrences that chose the expert, `share` of its "
+        "routings in the block (count / (occurrences x k)), `specificity` as in One expert."
+    )
+    st.dataframe(routes, hide_index=True, width="stretch")
+    widgets.csv_button(st, routes, f"token-{token}-experts.csv", key="atlas_csv_token")
+
+
 def _one_expert(atlas: Atlas, moe: list[int]) -> None:
     left, right = st.columns(2)
     block = left.selectbox("Block", moe, key="atlas_block", format_func=lambda b: f"block {b}")
@@ -147,10 +207,10 @@ def _one_expert(atlas: Atlas, moe: list[int]) -> None:
     tokens, partners = st.columns(2, gap="large")
     with tokens:
         st.markdown("Most specific tokens (PMI: how much more often than its load predicts)")
-        st.dataframe(card["tokens"], hide_index=True, width="stretch")
+        widgets.table(st, card["tokens"], "expert tokens")
     with partners:
         st.markdown("Partners (tokens that chose both)")
-        st.dataframe(card["partners"], hide_index=True, width="stretch")
+        widgets.table(st, card["partners"], "expert partners")
 
 
 def _indexer(atlas: Atlas) -> None:
@@ -166,14 +226,25 @@ def _indexer(atlas: Atlas) -> None:
         positions, tokens = topic.sinks(atlas, block)
         left, right = st.columns(2, gap="large")
         left.markdown("Key positions picked from afar, against the rate at their distances (lift)")
-        left.dataframe(positions, hide_index=True, width="stretch")
+        widgets.table(left, positions, "sink positions")
         right.markdown("Tokens picked from afar, against the rate at their distances (lift)")
-        right.dataframe(tokens, hide_index=True, width="stretch")
+        widgets.table(right, tokens, "sink tokens")
+    _block_measures(atlas, topic.overlap_figure(atlas), "atlas_overlap")
+
+
+def _block_measures(atlas: Atlas, fig, key: str) -> None:
+    """A figure of the block_measures table, or why there is none."""
+    if "block_measures" not in atlas.tables:
+        st.caption("This atlas was built before it counted the per-block overlaps and near-ties: build it again for them.")
+        return
+    if fig is not None:
+        widgets.chart(fig, key=key)
+    _table(atlas, "block_measures")
 
 
 def _table(atlas: Atlas, name: str) -> None:
     with st.expander(f"The {name} table"):
-        st.dataframe(atlas.tables[name], hide_index=True, width="stretch")
+        widgets.table(st, atlas.tables[name], name)
         widgets.csv_button(st, atlas.tables[name], f"{name}.csv", key=f"atlas_csv_{name}")
 
 

@@ -22,7 +22,7 @@ def page() -> None:
     )
     if view is None:
         return
-    if view.n_tokens <= view.config.index_topk:
+    if view.config.has_indexer and view.n_tokens <= view.config.index_topk:
         st.caption(
             f":material/info: The prompt has {view.n_tokens} tokens and index_topk is {view.config.index_topk}: every "
             "query keeps all its earlier keys, so sparse attention equals dense attention here. Trace a prompt longer "
@@ -34,12 +34,15 @@ def page() -> None:
             "Attention": lambda: _attention(view),
             "Indexer recall": lambda: _recall(view),
             "One query": lambda: _one_query(view),
+            "Sinks": lambda: _sinks(view),
         },
         "attention_tab",
     )
 
 
 def _index_scores(view: View) -> None:
+    if not view.config.has_indexer:
+        return widgets.no_indexer()
     block = view.block
     if widgets.memo_chart(view, "index_scores", lambda: card_plots.index_scores(view, block), block) is None:
         widgets.missing("No index scores", [SCORES], block)
@@ -58,12 +61,15 @@ def _attention(view: View) -> None:
             format_func=lambda h: "mean over heads" if h == "mean" else f"head {h}",
         )
         head = None if choice == "mean" else int(choice)
-    build = lambda: card_plots.attention_pattern(view, block, head=head)  # noqa: E731
-    if widgets.memo_chart(view, "attention_pattern", build, block, head) is None:
+    skip = widgets.first_token_toggle("attention_skip_first", "key 0 (the attention sink)")
+    build = lambda: card_plots.attention_pattern(view, block, head=head, skip_first=skip)  # noqa: E731
+    if widgets.memo_chart(view, "attention_pattern", build, block, head, skip) is None:
         widgets.missing("No attention pattern", ["layers.{i}.attn.probs_mean"], block)
 
 
 def _recall(view: View) -> None:
+    if not view.config.has_indexer:
+        return widgets.no_indexer()
     k = min(view.config.index_topk, view.n_tokens)
     st.caption(
         f"For each query: the share of dense attention's probability mass (softmax over all earlier keys, mean "
@@ -82,10 +88,39 @@ def _recall(view: View) -> None:
             "over heads (its training objective: 0 = the same); `overlap_prev`, the Jaccard overlap of the kept keys "
             "with the block before's."
         )
-        st.dataframe(quality, hide_index=True, width="stretch")
+        widgets.table(st, quality, "indexer quality per block")
+
+
+def _sinks(view: View) -> None:
+    k = view.config.index_topk
+    if not view.config.has_indexer:
+        return widgets.no_indexer()
+    if view.n_tokens <= k:
+        st.info(
+            f"No query had to choose: the prompt has {view.n_tokens} tokens and index_topk is {k}, so every query keeps "
+            f"all its keys. Trace a prompt longer than {k} tokens to see which keys the indexer keeps from afar.",
+            icon=":material/info:",
+        )
+        return
+    got = view.memo("prompt_sinks", lambda: attention.prompt_sinks(view.trace))
+    if got is None:
+        widgets.missing("No selected keys", ["layers.{i}.attn.indexer.topk_indices"])
+        return
+    frame, blocks, share = got
+    st.caption(
+        f"Keys kept from afar, as the atlas's sinks (`indexer_sinks`) count them over a corpus: by queries at least {k} "
+        f"positions later, which had {k} nearer keys to choose from. `share` = `kept` / `queries`: of those queries, "
+        "the share that kept the key. Each block's keys, most kept first."
+    )
+    build = lambda: attention.sinks_figure(blocks, share, tokens.labels(view), k)  # noqa: E731
+    widgets.memo_chart(view, "attention_sinks", build)
+    st.dataframe(frame, hide_index=True, width="stretch")
+    widgets.csv_button(st, frame, "prompt-sinks.csv", key="attention_sinks_csv")
 
 
 def _one_query(view: View) -> None:
+    if not view.config.has_indexer:
+        return widgets.no_indexer()
     block = view.block
     labels = tokens.labels(view)
     if st.session_state.get("query", 0) >= view.n_tokens:
@@ -101,7 +136,7 @@ def _one_query(view: View) -> None:
     widgets.memo_chart(view, "query_profile", lambda: attention.query_profile_figure(df, query, token, block), block, query)
     box = widgets.lazy_expander("As a table", "query_table")
     if box is not None:
-        box.dataframe(df, hide_index=True, width="stretch")
+        widgets.table(box, df, f"block {block} query {query}")
 
 
 if __name__ == "__main__":

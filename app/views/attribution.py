@@ -145,13 +145,28 @@ def show(view: View) -> None:
         ("attr_waterfall", lambda: topic.waterfall_figure(coarse, info["total"], html.escape(what))),
         ("attr_grid", lambda: topic.grid_figure(*grid)),
     )
+    dropped_view(view)
     block_view(View(view.entry, chosen_block(view)))
     prompt_view(view, position)
     graph_view(view, position)
     with st.expander("Every part as a table (sources: each head's split over the keys it read)"):
         table = view.table("attribution")
-        st.dataframe(table, hide_index=True, width="stretch")
+        widgets.table(st, table, "attribution")
         widgets.csv_button(st, table, "attribution.csv", "attr_csv")
+
+
+def dropped_view(view: View) -> None:
+    """The sparsity's cost to this logit: per block, what attending over every causal key instead of
+    the indexer's selection would have added (0 where it kept every key)."""
+    frame = view.memo("attr_dropped", lambda: topic.dropped_by_block(view.trace))
+    if frame is None:
+        return
+    total = float(frame["dropped"].sum())
+    st.caption(
+        f"The keys the indexer dropped would have added **{total:+.4f}** in all: each block's heads again over every "
+        "causal key from the same scores and values, less what they did (docs/attribution.md)."
+    )
+    widgets.memo_chart(view, "attr_dropped_chart", lambda: topic.dropped_figure(frame))
 
 
 def side_by_side(view: View, *charts: tuple) -> None:
@@ -194,7 +209,7 @@ def block_view(view: View) -> None:
     lens = parts.ffn[parts.ffn["promotes"] != ""]
     if not lens.empty:
         st.caption("Each chosen expert's weighted output through the frozen final norm and the head (the logit lens):")
-        st.dataframe(lens.drop(columns="expert"), hide_index=True, width="stretch")
+        widgets.table(st, lens.drop(columns="expert"), f"block {block} expert lens")
 
 
 def removals(view: View, block: int) -> None:
@@ -259,7 +274,7 @@ def causal_view(om: AppModel, plain: TraceKey, view: View) -> None:
         return
     r = table.attrs["correlation"]
     st.markdown(f"Correlation of the attributed values and the measured effects: **{r:+.3f}** over {len(table)} parts.")
-    st.dataframe(table, hide_index=True, width="stretch")
+    widgets.table(st, table, "causal check")
     widgets.csv_button(st, table, "causal.csv", "attr_causal_csv")
 
 
@@ -295,9 +310,19 @@ def graph_view(view: View, position: int) -> None:
         )
         return
     st.session_state.setdefault("attr_threshold", 0.05)
-    threshold = st.slider("Threshold", 0.01, 0.5, key="attr_threshold", step=0.01, help="Edges with a share above this.")
-    graph = view.memo(("attr_graph", position, threshold), lambda: topic.flow_graph(trace, position, threshold))
-    widgets.memo_chart(view, "attr_flow", lambda: topic.flow_figure(graph, labels(view), position), position, threshold)
+    st.session_state.setdefault("attr_top", topic.TOP_EDGES)
+    st.session_state.setdefault("attr_edges", "top k per stream")
+    rule, amount = st.columns([1, 3], vertical_alignment="bottom")
+    by_share = rule.segmented_control("Edges", ["top k per stream", "above a share"], key="attr_edges") == "above a share"
+    if by_share:
+        top, cut = topic.TOP_EDGES, amount.slider("Threshold", 0.01, 0.5, key="attr_threshold", step=0.01)
+        words = f"edges with a share above {cut:g}"
+    else:
+        top, cut = int(amount.number_input("k", 1, 20, key="attr_top", help="Each stream's k largest inputs.")), None
+        words = f"each stream's top {top} edges"
+    graph = view.memo(("attr_graph", position, cut, top), lambda: topic.flow_graph(trace, position, cut, top))
+    build = lambda: topic.flow_figure(graph, labels(view), position, words)  # noqa: E731
+    widgets.memo_chart(view, "attr_flow", build, position, cut, top)
 
 
 if __name__ == "__main__":

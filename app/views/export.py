@@ -45,7 +45,7 @@ def page() -> None:
 
     st.subheader("Preview", anchor=False)
     name = st.selectbox("Table", list(tables), key="export_preview")
-    st.dataframe(tables[name].head(500), hide_index=True, width="stretch")
+    widgets.table(st, tables[name].head(500), name)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def page() -> None:
         widgets.memo_chart(view, "gen_probs", lambda: generation.probability_figure(steps, None))
         box = widgets.lazy_expander("Every position as a table", "generation_steps_table")
         if box is not None:
-            box.dataframe(steps, hide_index=True, width="stretch")
+            widgets.table(box, steps, "steps")
         return
     start = int(info["start"])
     how = (
@@ -62,7 +62,7 @@ def page() -> None:
             "MTP drafts": lambda: _mtp(view, steps, info, start),
             "As the text grows": lambda: timeline(view),
             "Probabilities": lambda: widgets.memo_chart(view, "gen_probs", lambda: generation.probability_figure(steps, start)),
-            "Every step": lambda: st.dataframe(steps, hide_index=True, width="stretch"),
+            "Every step": lambda: widgets.table(st, steps, "steps"),
         },
         "generation_tab",
     )
@@ -141,7 +141,7 @@ def _mtp(view: View, steps: pd.DataFrame, info: dict, start: int) -> None:
     if (line := generation.mtp_summary(info)) is not None:
         st.caption(f":material/bolt: {escape_md(line)}")
     widgets.memo_chart(view, "gen_mtp", lambda: generation.mtp_figure(drafts))
-    st.dataframe(drafts, hide_index=True, width="stretch")
+    widgets.table(st, drafts, "mtp drafts")
 
 
 def timeline(view: View) -> None:

@@ -1,7 +1,8 @@
 """Interventions: change one thing (ablate experts, zero their outputs, ablate attention heads, route
 without the correction bias, dense attention or another index_topk), run the prompt again, and
 compare the two traces side by side: where the residual stream starts to move, which experts and
-keys changed, and how the predictions moved.
+keys changed, and how the predictions moved. Or run the prompt on another checkpoint of the same
+tokenizer (V3.1-Terminus against V3.2-Exp) and compare the two models block by block.
 
 The session keeps only the widgets' values and the last run's spec (small dicts, read by
 tracing.analyses.interventions.from_spec); the baseline and the intervened trace live in the process-wide
@@ -15,32 +16,40 @@ from typing import Any
 import streamlit as st
 
 from app import comparison, widgets
+from app.core import paths
 from app.core.errors import BAD_INPUT
-from app.core.models import AppModel
+from app.core.models import AppModel, open_model
 from app.core.session import current, session_model
-from app.core.traces import Entry, store, trace_prompt
-from app.topics import experts
-from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, ZERO, PerBlock, listing, moe_block_ids
+from app.core.traces import Entry, request_for, store, trace_prompt
+from app.topics import experts, interventions, tokens
+from app.topics.export import ZIP, zip_bytes
+from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, TABLES, ZERO, PerBlock, listing, moe_block_ids
+from tracing.analyses.diff import check_shapes, check_tokenizers, diff_tables, summary
 from tracing.analyses.interventions import from_spec
 
 ATTENTION = ("model", "dense", "topk")
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
+COMPARE = {"interventions": "interventions on this checkpoint", "checkpoint": "another checkpoint"}
+OTHER = "iv_other_result"  # {"base": the baseline's store key, "dir": the other checkpoint as typed}
+PAIR_SITES = ("default", "logits.all", "layers.*.logit_lens.*")  # both checkpoints record these (the per-position KL)
+PAIR = "checkpoint diff"  # the store's variant of a trace made for the comparison
 
 
 # --- the spec: what to run, as plain values ---------------------------------------------------------------
 def spec_from_widgets(cfg) -> dict[str, Any]:
     """The interventions the widgets ask for: ``{"ablate" | "zero_experts" | "ablate_heads": {block: [ids]},
-    "no_bias": None | "all" | [blocks], "attention": None | "dense" | k, "at": None | "P" | "A:B"}`` (the
-    positions the removals act at). InputError when typed ids do not parse."""
+    "no_bias": None | "all" | [blocks], "attention": None | "dense" | k, "no_act_fp8": bool, "at": None | "P" |
+    "A:B"}`` (the positions the removals act at). InputError when typed ids do not parse."""
     spec: dict[str, Any] = {kind.spec_key: kind.picked(st.session_state, cfg) for kind in PER_BLOCK}
     no_bias = None
     if st.session_state.get("iv_no_bias") and cfg.has_gate_bias:
         chosen = st.session_state.get("iv_no_bias_blocks") or []
         no_bias = sorted(int(b) for b in chosen) if chosen else "all"
-    mode = st.session_state.get("iv_attention", "model")
+    mode = st.session_state.get("iv_attention", "model") if cfg.has_indexer else "model"
     attention = "dense" if mode == "dense" else int(st.session_state.get("iv_topk") or 1) if mode == "topk" else None
     at = (st.session_state.get("iv_at") or "").strip()
-    return {**spec, "no_bias": no_bias, "attention": attention, "at": at or None}
+    no_act_fp8 = bool(st.session_state.get("iv_no_act_fp8")) and cfg.dtype == "fp8" and cfg.has_indexer
+    return {**spec, "no_bias": no_bias, "attention": attention, "no_act_fp8": no_act_fp8, "at": at or None}
 
 
 # --- callbacks (run before the page is drawn again) ------------------------------------------------------------
@@ -56,6 +65,7 @@ def _clear() -> None:
     st.session_state["iv_no_bias"] = False
     st.session_state["iv_no_bias_blocks"] = []
     st.session_state["iv_attention"] = "model"
+    st.session_state["iv_no_act_fp8"] = False
     st.session_state["iv_at"] = ""
 
 
@@ -122,6 +132,9 @@ def page() -> None:
     base = baseline(om)
     if base is None:
         return
+    if compare_mode() == "checkpoint":
+        other_checkpoint(om, base)
+        return
     cfg = om.args
     arrived = _arrive()
     _keep(cfg)
@@ -143,6 +156,107 @@ def page() -> None:
     iv = intervened(om, base, result["spec"])
     if iv is not None:
         comparison.compare(base, iv, result["spec"])
+
+
+def compare_mode() -> str:
+    """What the page compares the baseline with; a removal another page asked for is an intervention."""
+    if st.session_state.get(ARRIVING):
+        st.session_state["iv_compare"] = "interventions"
+    return st.radio("Compare the baseline with", tuple(COMPARE), key="iv_compare", format_func=COMPARE.get, horizontal=True)
+
+
+# --- another checkpoint: one prompt on two models of one tokenizer --------------------------------------------
+def other_checkpoint(om: AppModel, base: Entry) -> None:
+    """The prompt on a second checkpoint (e.g. V3.1-Terminus against V3.2-Exp), compared block by block
+    with tracing.analyses.diff's tables."""
+    st.text_input(
+        "Checkpoint directory to compare with",
+        key="iv_other_dir",
+        placeholder="/data/DeepSeek-V3.1-Terminus, or demo",
+        help="A checkpoint with the same tokenizer (the prompt must make the same tokens) and the same number of "
+        "blocks, width and vocabulary. Both load in this process: the memory of two models" + paths.roots_help("checkpoints"),
+    )
+    if st.button("Compare the checkpoints", key="iv_other_run", type="primary", icon=":material/compare_arrows:"):
+        st.session_state[OTHER] = {"base": base.key, "dir": st.session_state.get("iv_other_dir") or ""}
+    asked = st.session_state.get(OTHER)
+    if asked is None:
+        st.caption("Type a checkpoint directory and press **Compare the checkpoints**: the prompt runs on both.")
+        return
+    if asked["base"] != base.key:
+        st.info(
+            "The prompt or the model changed since the last comparison: press **Compare the checkpoints** again.",
+            icon=":material/refresh:",
+        )
+        return
+    try:
+        a, b = traced_pair(om, base, asked["dir"])
+        tables = b.memo(("checkpoint_diff", a.key), lambda: diff_tables(a.trace, b.trace))
+    except BAD_INPUT as exc:
+        st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+        return
+    show_pair(a, b, tables)
+
+
+def traced_pair(om: AppModel, base: Entry, value: str) -> tuple[Entry, Entry]:
+    """The baseline's prompt (without its generation) on this model and on the one ``value`` names,
+    recording :data:`PAIR_SITES`; refused (the error says why) when the checkpoint does not open (confined
+    under the roots: app.core.paths), the shapes differ, or the tokenizers make other tokens of the prompt."""
+    key = base.key
+    other = open_model(value, om.dtype)
+    check_shapes(om.args, other.args, "the checkpoints are models")
+    a = trace_prompt(om, key.prompt, variant=PAIR, record=PAIR_SITES, chat=key.chat)
+    check_tokenizers(a.trace.token_ids, other.encode(request_for(other, key.prompt, chat=key.chat)))  # before it runs
+    with st.spinner(f"Tracing the prompt on {other.label}…"):
+        b = trace_prompt(other, key.prompt, variant=PAIR, record=PAIR_SITES, chat=key.chat)
+    check_tokenizers(a.trace.token_ids, b.trace.token_ids, pieces_a=a.trace.tokens, pieces_b=b.trace.tokens)
+    return a, b
+
+
+def show_pair(a: Entry, b: Entry, tables: dict) -> None:
+    info = b.memo(("checkpoint_summary", a.key), lambda: summary(a.trace, b.trace, tables))
+    names = (a.origin.split(" · ")[0], b.origin.split(" · ")[0])
+    st.subheader(f"{widgets.escape_md(names[0])} vs {widgets.escape_md(names[1])}", anchor=False)
+    st.caption(
+        f"The prompt alone ({a.trace.n_tokens} tokens, no generation), the same tokens on both; a is "
+        f"{widgets.escape_md(a.origin)}, b is {widgets.escape_md(b.origin)}."
+    )
+    cols = st.columns(4)
+    kl, agree, first = info.get("kl_mean"), info.get("top1_agreement"), info.get("first_block_changed")
+    cols[0].metric(
+        "Next-token KL, mean",
+        "—" if kl is None else f"{kl:.4g} nats",
+        help="KL(p_a ‖ p_b) of the next-token distributions, mean over positions",
+    )
+    cols[1].metric(
+        "Top-1 agreement", "—" if agree is None else f"{agree:.0%}", help="Positions where both predict the same token"
+    )
+    cols[2].metric("First block that differs", "none" if first is None else f"block {first}")
+    frame = tables.get("next_token")
+    if frame is not None and "next_token_a" in info:
+        shown = dict(zip(frame["token_id"], frame["token"], strict=True))
+        before, after = (tokens.show_token(str(shown.get(i, f"<{i}>"))) for i in (info["next_token_a"], info["next_token_b"]))
+        cols[3].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
+    blocks = tables.get("blocks")
+    if blocks is not None:
+        fig = b.memo(("figure", "checkpoint_blocks", a.key), lambda: interventions.checkpoint_blocks_figure(blocks, names))
+        widgets.chart(fig, "iv_other_blocks")
+    stem = f"checkpoint-diff-{a.key.fingerprint()}-{b.key.fingerprint()}"
+    widgets.download(
+        st,
+        "All diff tables (CSV, zip)",
+        lambda: zip_bytes(tables),
+        f"{stem}-tables.zip",
+        ZIP,
+        "iv_other_zip",
+        ":material/folder_zip:",
+    )
+    names_shown = [name for name in ("blocks", *(n for n in TABLES if n != "blocks")) if name in tables]  # per block first
+    for tab, name in zip(st.tabs([TABLES[n][0] for n in names_shown]), names_shown, strict=True):
+        with tab:
+            head, button = st.columns([5, 1], vertical_alignment="center")
+            head.caption(f"{TABLES[name][1]} {len(tables[name]):,} rows; the CSV holds them all.")
+            widgets.csv_button(button, tables[name], f"{stem}-{name}.csv", f"iv_other_csv_{name}")
+            st.dataframe(tables[name].head(comparison.MAX_ROWS), hide_index=True, width="stretch")
 
 
 def no_model() -> None:
@@ -221,6 +335,7 @@ def controls(base: Entry, cfg) -> None:
                 "Keys each query may attend to",
                 ATTENTION,
                 key="iv_attention",
+                disabled=not cfg.has_indexer,
                 format_func=lambda m: {
                     "model": f"as the model: the indexer's top {cfg.index_topk}",
                     "dense": "dense: every visible key",
@@ -233,9 +348,19 @@ def controls(base: Entry, cfg) -> None:
                 max_value=cfg.max_seq_len,
                 step=1,
                 key="iv_topk",
-                disabled=st.session_state.get("iv_attention") != "topk",
+                disabled=st.session_state.get("iv_attention") != "topk" or not cfg.has_indexer,
                 help=f"The model's is {cfg.index_topk}; with {base.trace.n_tokens} tokens, {base.trace.n_tokens} or "
                 "more is dense attention.",
+            )
+            if not cfg.has_indexer:
+                widgets.no_indexer()
+            st.toggle(
+                "No FP8 activation rounding",
+                key="iv_no_act_fp8",
+                disabled=cfg.dtype != "fp8" or not cfg.has_indexer,
+                help="Every FP8 product takes its input unrounded (the weights stay FP8, dequantised to the activation "
+                "dtype), the indexer scores bfloat16 q and k, the MLA latent skips its FP8 simulation: which routing and "
+                "key selections the reference's activation rounding decides.",
             )
         with clear_col:
             st.markdown("**Where**")
@@ -342,8 +467,8 @@ def run_now(om: AppModel, base: Entry, cfg) -> None:
         changes = from_spec(spec)
         if not changes:
             st.warning(
-                "Nothing to change: choose experts to ablate or zero, heads to ablate, the router without its bias, or "
-                "another attention."
+                "Nothing to change: choose experts to ablate or zero, heads to ablate, the router without its bias, "
+                "another attention, or no FP8 activation rounding."
             )
             return
         bar = st.progress(0.0, text="Running with the interventions…")

@@ -7,6 +7,7 @@ import streamlit as st
 from app import card_view, widgets
 from app.core.session import View
 from app.topics import card_plots, cards, model_map
+from tracing.sites import INDEXER_MISSING
 
 
 def page() -> None:
@@ -22,7 +23,11 @@ def page() -> None:
     row = st.container(horizontal=True, gap="medium")  # one flex row: six columns would be seven more elements
     row.metric("Blocks", cfg.n_layers, help=f"{cfg.n_dense_layers} dense, {cfg.n_moe_layers} MoE")
     row.metric("Width d", f"{cfg.dim:,}")
-    row.metric("Heads", cfg.n_heads, help=f"MLA heads; the indexer has {cfg.index_n_heads}")
+    row.metric(
+        "Heads",
+        cfg.n_heads,
+        help=f"MLA heads; the indexer has {cfg.index_n_heads}" if cfg.has_indexer else f"MLA heads; {INDEXER_MISSING}",
+    )
     row.metric(
         "Experts",
         f"{cfg.n_activated_experts} of {cfg.n_routed_experts}",
@@ -42,17 +47,20 @@ def page() -> None:
         lambda: model_map.block_map_figure(cfg, model_map.params_by_block(cfg), view.block),
         view.block,
     )
+    mla = "MLA (with the lightning indexer)" if cfg.has_indexer else "MLA"
     st.caption(
-        f"Every block: attn_norm → MLA (with the lightning indexer) → ffn_norm → FFN. Dense MLP: "
+        f"Every block: attn_norm → {mla} → ffn_norm → FFN. Dense MLP: "
         f"{cards.facts_for(cfg)['dense_blocks']}; mixture of experts: {cards.facts_for(cfg)['moe_blocks']}. "
         "Hover a cell for its parameter count; the outlined column is the chosen block."
     )
+    if not cfg.has_indexer:
+        widgets.no_indexer()
 
     widgets.lazy_tabs(
         {
             "Your prompt": lambda: _prompt(view),
             "Parameters per component": lambda: _params(view),
-            "Config": lambda: st.dataframe(model_map.config_table(cfg), hide_index=True, width="stretch"),
+            "Config": lambda: widgets.table(st, model_map.config_table(cfg), "config"),
             "The transformer block": lambda: card_view.card(cards.load_cards()["block"], view, key="map_block"),
         },
         "model_map_tab",
@@ -78,6 +86,7 @@ def _params(view: View) -> None:
             "share": st.column_config.ProgressColumn("share of total", format="percent", min_value=0, max_value=1),
         },
     )
+    widgets.keep("table:params", "parameters per component", frame)
 
 
 if __name__ == "__main__":

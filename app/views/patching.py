@@ -110,7 +110,7 @@ def show(om: AppModel, result: dict) -> None:
         got = topic.grid(table, site, s["tokens"])
         if got is not None:
             widgets.chart(topic.patching_figure(*got, labels, site), key=f"patch_fig_{site}")
-    st.dataframe(table, hide_index=True, width="stretch")
+    widgets.table(st, table, "patching")
     widgets.csv_button(st, table, "patching.csv", "patch_csv")
     cell_view(om, result)
 

@@ -1,4 +1,4 @@
-"""Residual stream: norms per layer and position, cosine between consecutive layers, update sizes,
+"""Residual stream: norms per block and position, cosine between consecutive blocks, update sizes,
 and the logit lens."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import streamlit as st
 from app import card_view, widgets
 from app.core.session import View
 from app.topics import card_plots, predictions, residual, tokens
+from app.topics.figures import TICK_LIMIT
 
 STREAM_SITES = ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"]
 
@@ -25,15 +26,19 @@ def page() -> None:
     grids = view.memo("residual_grids", lambda: residual.residual_grids(view.table("residual"), view.n_tokens))
     labels = tokens.labels(view)
 
-    def stream(key: str, build) -> None:
+    def stream(key: str, build, *options) -> None:
         if grids is None:
             widgets.missing("No residual stream", STREAM_SITES)
         else:
-            widgets.memo_chart(view, key, lambda: build(grids, labels))
+            widgets.memo_chart(view, key, lambda: build(grids, labels, *options), *options)
+
+    def norms() -> None:
+        skip = widgets.first_token_toggle("resid_skip_first")
+        stream("resid_norm", residual.residual_norms_figure, skip)
 
     widgets.lazy_tabs(
         {
-            "Stream norm": lambda: stream("resid_norm", residual.residual_norms_figure),
+            "Stream norm": norms,
             "Turn per block": lambda: stream("resid_cos", residual.residual_cosine_figure),
             "Update sizes": lambda: _updates(view, grids),
             "Logit lens": lambda: _logit_lens(view, labels),
@@ -50,7 +55,9 @@ def _updates(view: View, grids: residual.ResidualGrids | None) -> None:
         else:
             widgets.memo_chart(view, "resid_updates", lambda: residual.update_sizes_figure(grids))
     with right:
-        fig = widgets.memo_chart(view, "resid_block_updates", lambda: card_plots.block_updates(view, view.block), view.block)
+        skip = widgets.first_token_toggle("resid_updates_skip_first")
+        build = lambda: card_plots.block_updates(view, view.block, skip_first=skip)  # noqa: E731
+        fig = widgets.memo_chart(view, "resid_block_updates", build, view.block, skip)
         if fig is None:
             widgets.missing("No update sizes", STREAM_SITES, view.block)
 
@@ -58,8 +65,8 @@ def _updates(view: View, grids: residual.ResidualGrids | None) -> None:
 def _logit_lens(view: View, labels: list[str]) -> None:
     st.caption(
         "The final RMSNorm and the output head applied to each block's output $x_{n+1}$: the colour is the "
-        "probability of the top token (written in the cell); hover for the top 5. The last row is the model's "
-        "own prediction."
+        f"probability of the top token (written in the cell up to {TICK_LIMIT} positions; the title says which); hover "
+        "for the top 5. The last row is the model's own prediction."
     )
     lens = view.memo("lens", lambda: predictions.logit_lens(view.trace))
     if lens is None:

@@ -7,7 +7,9 @@ import streamlit as st
 
 from app import card_view, widgets
 from app.core.session import View
+from app.topics import atlas as atlas_topic
 from app.topics import card_plots, experts, router, tokens
+from app.views import atlas as atlas_page
 from tracing.tables.frames import NEAR_TIE
 
 
@@ -39,15 +41,50 @@ def page() -> None:
             "Routed and shared": lambda: _routed_shared(view, block),
             "Load across blocks": lambda: _load(view),
             "Margins": lambda: _margins(view, block),
+            "Atlas expert": lambda: _atlas_expert(view, r),
         },
         "router_tab",
     )
 
 
+def _atlas_expert(view: View, r: router.Routing) -> None:
+    found = atlas_page.session_atlas()
+    if found is None or not atlas_topic.matches(found, view.config.to_reference()) or r.block not in atlas_topic.blocks(found):
+        st.info(
+            "No atlas of this model is open: build one with `python -m tracing atlas --checkpoint DIR --text-file F "
+            "--out atlas/` and open it on the Atlas page.",
+            icon=":material/public:",
+        )
+        return
+    load = r.selected.sum(axis=0)  # (E,): this prompt's tokens per expert
+    expert = st.selectbox(
+        "Expert",
+        range(len(load)),
+        index=router.busiest_expert(r),
+        key=f"router_atlas_expert_{r.block}",
+        format_func=lambda e: f"expert {e} ({load[e]} of {view.n_tokens} tokens here)",
+    )
+    marked = r.selected[:, expert]  # (T,)
+    st.caption(
+        f"Where expert {expert} of block {r.block} fires in this prompt: the {int(marked.sum())} tokens routed to it "
+        "are marked (hover: the gate weight); beside, what the atlas counted for it over its corpus."
+    )
+    left, right = st.columns([3, 2], gap="large")
+    left.html(router.marked_tokens(list(view.trace.tokens), marked, r.weight[:, expert]))
+    card = atlas_topic.expert_card(found, r.block, expert, atlas_topic.pair_matrix(found, r.block))
+    right.markdown(
+        f"**In the atlas** ({widgets.escape_md(str(found.summary.get('checkpoint', '?')))}, "
+        f"{found.summary.get('tokens', 0):,} tokens): chosen for {card['count']:,} tokens, {card['share'] * 100:.2f}% "
+        f"of the block's selections, mean gate weight {card['mean_weight']:.3f}. Its most specific tokens:"
+    )
+    right.dataframe(card["tokens"].head(10), hide_index=True, width="stretch")
+
+
 def _margins(view: View, block: int) -> None:
     st.caption(
         "The biased score of the k-th chosen expert minus the best expert not chosen inside the chosen groups "
-        "(`ffn.gate.margin`): how near the router came to another choice. Near-ties, below "
+        "(`ffn.gate.margin`): how near the router came to another choice; the diamonds, the weakest chosen group's "
+        "score minus the best unchosen group's (`ffn.gate.group_margin`). Near-ties, below "
         f"{NEAR_TIE:g}, are where a rounding of the scores or the correction bias decides."
     )
     frame = router.margins(view.table("margins"), block)
@@ -114,7 +151,7 @@ def _bias(view: View, block: int) -> None:
     if not changes.empty:
         box = widgets.lazy_expander(f"The {len(changes)} tokens whose experts the bias changed", "router_bias_changes")
         if box is not None:
-            box.dataframe(changes, hide_index=True, width="stretch")
+            widgets.table(box, changes, f"block {block} bias changes")
 
 
 def _routed_shared(view: View, block: int) -> None:
@@ -122,7 +159,9 @@ def _routed_shared(view: View, block: int) -> None:
     if outputs is None:
         widgets.missing("No expert outputs", ["layers.{i}.ffn.routed_out", "layers.{i}.ffn.shared_out"], block)
     else:
-        widgets.memo_chart(view, "router_routed_shared", lambda: experts.routed_shared_figure(outputs, block), block)
+        skip = widgets.first_token_toggle("router_skip_first")
+        build = lambda: experts.routed_shared_figure(outputs, block, skip)  # noqa: E731
+        widgets.memo_chart(view, "router_routed_shared", build, block, skip)
 
 
 def _load(view: View) -> None:

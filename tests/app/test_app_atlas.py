@@ -82,6 +82,26 @@ def test_every_section_draws_from_the_tables(app):
     assert len(tokens) > 0
 
 
+def test_the_per_block_overlaps_and_near_ties_are_drawn(app, tmp_path):
+    """An atlas with the block_measures table: the Routing bias section draws the near-tie shares and
+    the Indexer section the overlap with the block before, each beside its table."""
+    from tracing.cli.commands import main
+    from tracing.cli.loading import DEMO
+
+    out = tmp_path / "atlas"
+    args = ["atlas", "--checkpoint", "demo", "--text-file", str(DEMO / "heldout_sample.txt"), "--seq-len", "128"]
+    assert main([*args, "--max-tokens", "300", "--out", str(out)]) == 0
+    measures = read_atlas(out).tables["block_measures"]
+    app.sidebar.radio(key="atlas_source").set_value("dir").run()
+    app.sidebar.text_input(key="atlas_dir").set_value(str(out)).run()
+    show(checked(app), "Routing bias")
+    near = next(c for c in plotly_charts(app) if "Near-ties" in str(c.proto.spec))
+    assert {t["name"] for t in __import__("json").loads(near.proto.spec)["data"]} == {"near-tie experts", "near-tie groups"}
+    show(app, "Indexer")
+    assert any("overlap the block before" in t for t in chart_titles(app))
+    assert app.dataframe[-1].value["overlap_prev"].tolist() == pytest.approx(measures["overlap_prev"].tolist(), nan_ok=True)
+
+
 def test_a_directory_and_a_zip_of_it_open(app, tmp_path):
     folder = tmp_path / "atlas"
     shutil.copytree(topic.BUNDLED, folder)

@@ -64,8 +64,10 @@ def test_opening_attributes_the_last_positions_top_prediction(app):
     assert float(trace["attribution.total"][0]) == pytest.approx(float(base["logits.last"][top]), abs=1e-6)
     assert f"At position **{last}**" in messages(app.markdown)
     titles = chart_titles(app)
-    for part in ("The largest parts of", "Each block's parts", "each head's part", "the experts' parts"):
+    for part in ("The largest parts of", "Each block's parts", "each head's part", "the experts' parts", "the dropped keys"):
         assert any(part in t for t in titles), (part, titles)
+    dropped = trace.site(0, "attn.attribution_dropped")  # the default prompt is shorter than index_topk: nothing dropped
+    assert dropped is not None and (not dropped.any() or base.n_tokens > base.config.index_topk)
     prompt = coloured_prompt(app)
     assert prompt.count('class="attributed-token"') == last + 1 and "outline:2px" in prompt
     assert app.button(key="attr_flow_run").label == "Compute the contribution graph"
@@ -123,7 +125,11 @@ def test_the_graph_is_drawn_on_request_and_thins_with_the_threshold(app):
     for row in keys.itertuples():  # every attention edge runs along a key the indexer selected
         block = int(row.y0) // 2
         assert row.x0 in trace.site(block, "attn.indexer.topk_indices")[int(row.x1)].tolist()
+    assert any("each stream's top 3 edges" in t for t in chart_titles(app))  # the default: each stream's largest
+    app.session_state["attr_edges"] = "above a share"
+    app.run()
     app.slider(key="attr_threshold").set_value(0.3).run()
+    assert any("edges with a share above 0.3" in t for t in chart_titles(app))
     checked(app)
     app.selectbox(key="attr_position").set_value(2).run()  # another position keeps the graph asked for
     checked(app)
