@@ -14,7 +14,7 @@ from tracing.trace import Trace
 
 from .arrays import future_mask, site
 from .figures import ATTN, COLORS, SEQUENTIAL, figure, heat_height, heatmap, positions, reversed_axis, rows_figure
-from .tokens import show_token, token_texts
+from .tokens import token_texts
 
 MASK_NAMES = ("future (causal mask)", "visible, not selected (−∞)", "selected (0)")
 
@@ -252,36 +252,13 @@ def indexer_quality(table: pd.DataFrame, index_topk: int) -> pd.DataFrame | None
 
 
 # --- this prompt's sinks -----------------------------------------------------------------------------------
-def prompt_sinks(trace: Trace) -> tuple[pd.DataFrame, list[int], np.ndarray] | None:
-    """The keys the indexer keeps from afar in this prompt, as the atlas's indexer_sinks counts them
-    over a corpus: a query at least index_topk positions after the key (it has index_topk nearer keys
-    to choose, so nearness is not why it kept this one). Per block and key position: ``kept`` such
-    queries that kept the key, ``queries`` such queries, ``share`` = kept / queries. Also the
-    blocks and their (blocks, positions) grid of shares (NaN: no query that far). None without a
-    recorded selection."""
-    first, n = trace.config.index_topk, trace.n_tokens
-    blocks = trace.layers_with("attn.indexer.topk_indices")
-    if not blocks:
+def sinks_grid(frame: pd.DataFrame | None) -> tuple[list[int], np.ndarray] | None:
+    """From tables()['sinks']: its blocks and their share kept from afar per key position
+    [blocks, S'], S' the keys some query is index_topk or more positions after."""
+    if frame is None or frame.empty:
         return None
-    query, key = np.arange(n)[:, None], np.arange(n)[None, :]
-    far = query - key >= first  # (T, S): the pairs from afar
-    queries = far.sum(axis=0)  # (S,)
-    kept = np.stack([(selected_keys(trace, b) & far).sum(axis=0) for b in blocks])  # (blocks, S)
-    share = np.where(queries > 0, kept / np.maximum(queries, 1), np.nan)  # (blocks, S)
-    seen = np.flatnonzero(queries > 0)
-    texts = list(trace.tokens)
-    frame = pd.DataFrame(
-        {
-            "block": np.repeat(blocks, len(seen)),
-            "position": np.tile(seen, len(blocks)),
-            "token": [show_token(texts[p], html_escape=False) for p in seen] * len(blocks),
-            "kept": kept[:, seen].ravel(),
-            "queries": np.tile(queries[seen], len(blocks)),
-            "share": share[:, seen].ravel(),
-        }
-    )
-    frame = frame.sort_values(["block", "share", "kept", "position"], ascending=[True, False, False, True], ignore_index=True)
-    return frame, blocks, share[:, seen]
+    blocks = sorted(frame["block"].unique().tolist())
+    return blocks, frame.pivot(index="block", columns="position", values="share").loc[blocks].to_numpy()
 
 
 def sinks_figure(blocks: list[int], share: np.ndarray, labels: list[str], index_topk: int) -> go.Figure:

@@ -102,11 +102,12 @@ def _sinks(view: View) -> None:
             icon=":material/info:",
         )
         return
-    got = view.memo("prompt_sinks", lambda: attention.prompt_sinks(view.trace))
+    frame = view.table("sinks")
+    got = attention.sinks_grid(frame)
     if got is None:
         widgets.missing("No selected keys", ["layers.{i}.attn.indexer.topk_indices"])
         return
-    frame, blocks, share = got
+    blocks, share = got
     st.caption(
         f"Keys kept from afar, as the atlas's sinks (`indexer_sinks`) count them over a corpus: by queries at least {k} "
         f"positions later, which had {k} nearer keys to choose from. `share` = `kept` / `queries`: of those queries, "

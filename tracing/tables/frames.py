@@ -241,6 +241,39 @@ def recall_table(trace: Trace) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def sinks_table(trace: Trace) -> pd.DataFrame:
+    """Per block and key position: the keys the indexer kept **from afar**, as the atlas's
+    ``indexer_sinks`` counts them over a corpus, in this prompt. Only queries at least index_topk
+    positions after the key count (each had index_topk nearer keys to choose, so nearness is not why
+    it kept this one): ``queries`` such queries, ``kept`` those that kept the key, ``share`` = kept /
+    queries; each block's keys most kept first. Empty without a recorded selection or when no query
+    is that far (T <= index_topk)."""
+    blocks = trace.layers_with("attn.indexer.topk_indices")
+    n = trace.n_tokens
+    if not blocks or not trace.config.has_indexer or n <= trace.config.index_topk:
+        return pd.DataFrame()
+    first = trace.config.index_topk
+    seen = np.arange(n - first)  # the keys some query is that far from
+    far = np.arange(n)[:, None] - seen[None, :] >= first  # (T, S'): the pairs from afar
+    queries = far.sum(axis=0)  # (S',)
+    kept = np.stack(
+        [(index_grid(trace.site(b, "attn.indexer.topk_indices").numpy(), n)[:, seen] & far).sum(axis=0) for b in blocks]
+    )
+    _, tok = _positions(trace)
+    frame = pd.DataFrame(
+        {
+            "block": np.repeat(blocks, len(seen)),
+            "position": np.tile(seen, len(blocks)),
+            "token": np.tile(tok[seen], len(blocks)),
+            "kept": kept.ravel(),  # (blocks * S',)
+            "queries": np.tile(queries, len(blocks)),
+            "share": (kept / queries).ravel(),
+        }
+    )
+    order = ["block", "share", "kept", "position"]
+    return frame.sort_values(order, ascending=[True, False, False, True], ignore_index=True)
+
+
 def margins_table(trace: Trace) -> pd.DataFrame:
     """Per MoE block and position: the routing margin (the k-th chosen expert's biased score minus the
     best unchosen one's inside the chosen groups) and whether it is a near-tie (below NEAR_TIE); the
@@ -425,6 +458,7 @@ BUILDERS = {
     "groups": groups_table,
     "indexer": indexer_table,
     "indexer_recall": recall_table,
+    "sinks": sinks_table,
     "margins": margins_table,
     "logit_lens": logit_lens_table,
     "next_token": next_token_table,
