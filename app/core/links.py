@@ -1,7 +1,7 @@
 """The view in the URL: the settings a reader would need to see the same thing again (source,
-prompt, chat and generation settings, block, a page's position, target and interventions) are kept
-in the query string, so a reload or a shared link reopens the same view. The page is the URL's path
-(Streamlit's navigation).
+prompt, chat and generation settings, block, a page's position, target, graph edges and
+interventions) are kept in the query string, so a reload or a shared link reopens the same view.
+The page is the URL's path (Streamlit's navigation).
 
 A link is a visitor's input: each value is read by its own type and bound (a prompt of at most
 LONGEST characters, numbers of ASCII digits in range, one of a few words), and a value that does not
@@ -93,6 +93,9 @@ LINKED: dict[str, Callable[[str], Any]] = {
     "attr_position": POSITION,
     "attr_target": TOKEN,
     "attr_contrast": TOKEN,
+    "attr_edges": _one_of("top k per stream", "above a share"),  # the contribution graph's controls, in their bounds
+    "attr_top": _integer(1, 20),
+    "attr_threshold": _number(0.01, 0.5),
     "iv_at": _text(64),
     "iv_no_bias": _flag,
     "iv_attention": _one_of("model", "dense", "topk"),
