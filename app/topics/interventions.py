@@ -24,10 +24,13 @@ from .figures import (
     figure,
     group_lines,
     heatmap,
+    outlier_note,
     positions,
     reversed_axis,
     right_axis,
+    robust_range,
     rows_figure,
+    with_outliers,
     write_cells,
 )
 from .tokens import show_token
@@ -270,10 +273,14 @@ def changed_rows(frame: pd.DataFrame, name: str) -> pd.DataFrame:
 
 
 def drift_figure(d: Drift, labels: list[str]) -> go.Figure:
-    """Relative L2 distance between the baseline's and the intervened stream, per point and position."""
+    """Relative L2 distance between the baseline's and the intervened stream, per point and position,
+    on the robust scale: a position that moved far more than the rest (the edited one) would
+    otherwise leave every other cell the colour of no change."""
     hover = "%{y}<br>position %{x}<br>relative L2 %{z:.4g}<br>cosine %{customdata:.5f}"
-    heat = heatmap(d.rel_l2, d.rows, hover, x=labels, scale="rel. L2", zmin=0, customdata=d.cosine)
+    scale = robust_range(d.rel_l2, lo=0.0)
+    heat = with_outliers(heatmap(d.rel_l2, d.rows, hover, x=labels, customdata=d.cosine), scale, "rel. L2")
     title = "How far the residual stream moved: |x_intervened − x_baseline| / |x_baseline|"
+    title += outlier_note(d.rel_l2, scale.outliers, labels, "rel. L2")
     return rows_figure([heat], d.rows, title, positions(labels, "position"), lo=320, per=26)
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.topics import attention, experts, residual
+from app.topics import attention, experts, interventions, residual
 from app.topics.figures import robust_range, robust_top
 from app.topics.tokens import position_labels
 from tracing import TraceRequest, run
+from tracing.analyses.diff import diff_tables
+from tracing.runner import trace_tokens
 from tracing.tables import tables
 
 TOKENS = [7, 3, 99, 41, 250, 18, 6, 77, 301, 12, 5, 64, 200, 9]
@@ -94,3 +96,23 @@ def test_the_expert_load_marks_an_expert_that_takes_most_tokens():
     fig = experts.expert_load_figure([1, 2], counts, None, 64)
     assert fig.data[0].zmax == 3 and np.asarray(fig.data[0].text)[0, 4] == "▲"
     assert "expert 4 beyond the scale (tokens up to 60" in fig.layout.title.text
+
+
+def test_the_drift_heat_map_stops_below_the_edited_position_and_names_it(tiny_model):
+    plain = trace_tokens(tiny_model, TOKENS)
+    pushed = plain["layers.0.resid_post"].clone()
+    pushed[5] *= 50.0  # one position's stream pushed far, the rest moved only through the attention
+    edited = trace_tokens(tiny_model, TOKENS, patches={"layers.0.resid_post": pushed})
+    moved = interventions.drift(diff_tables(plain, edited)["stream"], len(TOKENS))
+    labels = position_labels(plain)
+    fig = interventions.drift_figure(moved, labels)
+    heat = fig.data[0]
+    assert heat.zmin == 0 and heat.zmax < float(moved.rel_l2[:, 5].max()) / 10  # the bulk spans the colours
+    assert f"; {labels[5]}" in fig.layout.title.text and "beyond the scale" in fig.layout.title.text
+    marked = np.asarray(heat.text)
+    assert ((marked == "▲") == (moved.rel_l2 > heat.zmax)).all() and (marked[:, 5] == "▲").sum() >= 1
+    assert (marked[:, :5] == "").all() and heat.colorbar.ticktext[-1] == f"≥ {heat.zmax:.3g}"
+
+    calm = interventions.drift(diff_tables(plain, trace_tokens(tiny_model, TOKENS))["stream"], len(TOKENS))
+    same = interventions.drift_figure(calm, labels).data[0]  # nothing moved: no outlier, nothing marked
+    assert same.text is None and "beyond the scale" not in interventions.drift_figure(calm, labels).layout.title.text
