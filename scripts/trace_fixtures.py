@@ -1,16 +1,19 @@
 """A fixed set of traces through the command line, to show a change leaves every recorded bit as it was.
 
-    python scripts/trace_fixtures.py write DIR [--only tiny,demo,mid]   # every run below into DIR
+    python scripts/trace_fixtures.py write DIR [--only tiny,demo,mid,v3]   # every run below into DIR
     python scripts/trace_fixtures.py compare OLD NEW                   # tensor by tensor, bit for bit
 
 Run ``write`` on the tree before a change (a ``git worktree`` of the old commit, with this script
 copied in) and on the tree after it, then ``compare``. The runs go through ``python -m tracing
-run`` only (the command line is a contract both trees keep), on three models: the tiny config and a
-mid-size one (widths of the FP8 block, 64 experts in 8 groups) as synthetic FP8 weights, and the
-bundled demo with its tokenizer; in each of three numerics: bfloat16 on the CPU's own route,
+run`` only (the command line is a contract both trees keep), on four models: the tiny config and a
+mid-size one (widths of the FP8 block, 64 experts in 8 groups) as synthetic FP8 weights, the tiny
+config in DeepSeek-V3's layout (no indexer, V3's arithmetic) as a synthetic checkpoint directory
+(``model.synthetic.write_synthetic_checkpoint``, written once into ``--configs`` for both trees),
+and the bundled demo with its tokenizer; in each of three numerics: bfloat16 on the CPU's own route,
 bfloat16 through float32 products (``ANATOMY_CPU_BF16=float32``), float32 activations. Modes: the
 default prefill, ``--prefill``, greedy and sampled ``--generate``, ``--attribute`` with the
-contribution graph, ``--record all``, interventions, and ``--stream``.
+contribution graph, ``--record all``, interventions (without the indexer's on the V3 layout, which
+refuses them), and ``--stream``.
 
 ``compare`` prints one JSON line per run (equal, or the differing tensors with their largest
 difference) and a summary; it exits 1 when a bfloat16 run differs in any bit, or a float32 run in a
@@ -77,9 +80,16 @@ def _ids(n: int, vocab: int, seed: int) -> str:
     return ",".join(map(str, out))
 
 
-def _models(workdir: Path) -> dict[str, list[str]]:
+def _models(workdir: Path, only: list[str]) -> dict[str, list[str]]:
     tiny = workdir / "tiny.json"
     mid = workdir / "mid.json"
+    v3 = workdir / "tiny-v3"
+    if (not only or "v3" in only) and not (v3 / "config.json").exists():  # a tree from before the layout need not run it
+        code = (
+            "import sys; from model import TINY; from model.synthetic import v3_layout, write_synthetic_checkpoint; "
+            "write_synthetic_checkpoint(sys.argv[1], v3_layout(TINY))"
+        )
+        subprocess.run([sys.executable, "-c", code, str(v3)], check=True, cwd=REPO)
     if not tiny.exists():
         code = (
             "import json,sys; from model import TINY; from model.config import ModelArgs; "
@@ -91,9 +101,11 @@ def _models(workdir: Path) -> dict[str, list[str]]:
         "tiny": ["--synthetic", str(tiny), "--token-ids", _ids(40, 512, 1)],
         "demo": ["--checkpoint", "demo", "--prompt", PROMPT],
         "mid": ["--synthetic", str(mid), "--token-ids", _ids(96, MID["vocab_size"], 2)],
+        "v3": ["--checkpoint", str(v3), "--token-ids", _ids(40, 512, 3)],
     }
 
 
+INTERVENTIONS = ["--no-gate-bias", "--ablate-heads", "1:0", "--zero-experts", "2:3"]
 MODES = {
     "prefill": [],
     "decode": ["--prefill", "30"],
@@ -102,21 +114,22 @@ MODES = {
     "attribute": ["--attribute", "--record", "default,flow"],
     "attribute-decode": ["--attribute", "--prefill", "30", "--record", "default,layers.*.attn.attribution_src"],
     "all": ["--record", "all"],
-    "interventions": ["--no-gate-bias", "--ablate-heads", "1:0", "--zero-experts", "2:3", "--index-topk", "8"],
+    "interventions": [*INTERVENTIONS, "--index-topk", "8"],
     "stream": ["--stream"],
 }
+NO_INDEXER = {"interventions": INTERVENTIONS}  # the V3 layout refuses the indexer's
 
 
 def write(directory: Path, only: list[str], configs: Path) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     configs.mkdir(parents=True, exist_ok=True)
-    models = _models(configs)  # one place for both trees: the traces name the config file
+    models = _models(configs, only)  # one place for both trees: the traces name the config file
     failed = 0
     for model, source in models.items():
         if only and model not in only:
             continue
         for numerics, (env, dtype) in NUMERICS.items():
-            for mode, flags in MODES.items():
+            for mode, flags in (MODES | NO_INDEXER if model == "v3" else MODES).items():
                 if mode == "all" and model == "mid":
                     continue  # per-head probabilities of 96 positions x 4 blocks: large, and "all" is covered twice
                 out = directory / f"{model}-{numerics}-{mode}.safetensors"
@@ -195,8 +208,10 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write")
     w.add_argument("directory", type=Path)
-    w.add_argument("--only", default="", help="comma-separated: tiny, demo, mid")
-    w.add_argument("--configs", type=Path, default=Path("/tmp/anatomy-fixture-configs"), help="where the configs go")
+    w.add_argument("--only", default="", help="comma-separated: tiny, demo, mid, v3")
+    w.add_argument(
+        "--configs", type=Path, default=Path("/tmp/anatomy-fixture-configs"), help="where the configs and the V3 checkpoint go"
+    )
     c = sub.add_parser("compare")
     c.add_argument("old", type=Path)
     c.add_argument("new", type=Path)
