@@ -11,22 +11,19 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from starlette.testclient import TestClient
 
 from model import fp8, kernels
 from tests.app.apptest import messages, start
+from tests.tracing.serving import in_process, post
 from tracing.analyses.interventions import HookFunctions, NoActFP8, from_spec
 from tracing.cli.commands import main
 from tracing.cli.loading import open_checkpoint
 from tracing.errors import InputError
 from tracing.runner import TraceRequest, run, trace_tokens
-from tracing.server.http import State, make_app
-from tracing.server.wire import Limits, encode_request, read_answer
-from tracing.server.worker import Model, Queue, lead
+from tracing.server.wire import read_answer
 from tracing.trace import Trace
 
 PROMPT = "It is a truth universally acknowledged, that a single man"
-TOKEN = "a-token-of-sixteen-or-more"
 
 
 def traced(model, tokens, interventions=()) -> dict[str, torch.Tensor]:
@@ -118,33 +115,20 @@ def demo_run(app_checkpoint, tmp_path_factory):
 
 
 def test_the_server_wire_carries_it(app_checkpoint):
-    loaded = open_checkpoint(app_checkpoint)
-    state = State(Limits(max_prompt_tokens=64, max_generate=8, max_body_bytes=1 << 20, max_queue=2), Queue(2), TOKEN)
-    stopping = threading.Event()
-    model = Model(loaded)
-    worker = threading.Thread(target=lead, args=(model, state.jobs, stopping, 0.2), daemon=True)
-    worker.start()
-    state.model, state.facts = model, {"health": {"model": loaded.label}, "info": {"model": loaded.label}}
-    try:
-        with TestClient(make_app(state)) as client:
-            client.headers["authorization"] = f"Bearer {TOKEN}"
-            request = TraceRequest(prompt=PROMPT, interventions={"no_act_fp8": True})
-            body, kind = encode_request(request)
-            answer = client.post("/trace", content=body, headers={"content-type": kind})
-            assert answer.status_code == 200
-            want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
-            served = read_answer(iter([answer.content]))
-            assert served == want.to_bytes()
-            assert Trace.from_bytes(served).extra["interventions"] == ["no FP8 activation rounding"]
-            bad = client.post(
-                "/trace",
-                content=b'{"prompt": "x", "interventions": {"no_act_fp8": 1}}',
-                headers={"content-type": "application/json"},
-            )
-            assert bad.status_code == 422 and "no_act_fp8" in bad.text
-    finally:
-        stopping.set()
-        worker.join(10)
+    with in_process(app_checkpoint) as (client, _, loaded):
+        request = TraceRequest(prompt=PROMPT, interventions={"no_act_fp8": True})
+        answer = post(client, request)
+        assert answer.status_code == 200
+        want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
+        served = read_answer(iter([answer.content]))
+        assert served == want.to_bytes()
+        assert Trace.from_bytes(served).extra["interventions"] == ["no FP8 activation rounding"]
+        bad = client.post(
+            "/trace",
+            content=b'{"prompt": "x", "interventions": {"no_act_fp8": 1}}',
+            headers={"content-type": "application/json"},
+        )
+        assert bad.status_code == 422 and "no_act_fp8" in bad.text
 
 
 def test_the_app_runs_it_from_the_interventions_page(app_checkpoint, monkeypatch):

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,17 +22,14 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
+from tests.tracing.serving import TOKEN, in_process, post
 from tracing.cli.commands import main
-from tracing.cli.loading import open_checkpoint
 from tracing.runner import TraceRequest, run
-from tracing.server.http import State, make_app
-from tracing.server.wire import Limits, encode_request, read_answer
-from tracing.server.worker import Model, Queue, lead
+from tracing.server.wire import read_answer
 from tracing.trace import Trace
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "It is a truth universally acknowledged, that a single man"
-TOKEN = "a-token-of-sixteen-or-more"
 
 
 def free_port() -> int:
@@ -48,23 +44,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def served(app_checkpoint):
     """The app of tracing.server.http over the dev/demo checkpoint, its worker loop on a thread."""
-    loaded = open_checkpoint(app_checkpoint)
-    state = State(Limits(max_prompt_tokens=64, max_generate=8, max_body_bytes=1 << 20, max_queue=2), Queue(2), TOKEN)
-    stopping = threading.Event()
-    model = Model(loaded)
-    worker = threading.Thread(target=lead, args=(model, state.jobs, stopping, 0.2), daemon=True)
-    worker.start()
-    state.model, state.facts = model, {"health": {"model": loaded.label}, "info": {"model": loaded.label}}
-    with TestClient(make_app(state)) as client:
-        client.headers["authorization"] = f"Bearer {TOKEN}"
-        yield client, state, loaded
-    stopping.set()
-    worker.join(10)
-
-
-def post(client, request: TraceRequest):
-    body, kind = encode_request(request)
-    return client.post("/trace", content=body, headers={"content-type": kind})
+    with in_process(app_checkpoint) as got:
+        yield got
 
 
 def test_a_trace_over_http_is_the_trace_run_makes(served):

@@ -1,0 +1,43 @@
+"""The model server's HTTP side in this process, for tests: the app of tracing.server.http over a
+loaded checkpoint behind Starlette's TestClient, its worker loop on a thread, so a request runs the
+model as a served one does without a port or a process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from starlette.testclient import TestClient
+
+from tracing.cli.loading import Loaded, open_checkpoint
+from tracing.runner import TraceRequest
+from tracing.server.http import State, make_app
+from tracing.server.wire import Limits, encode_request
+from tracing.server.worker import Model, Queue, lead
+
+TOKEN = "a-token-of-sixteen-or-more"
+
+
+@contextmanager
+def in_process(checkpoint: str) -> Iterator[tuple[TestClient, State, Loaded]]:
+    """(client with the bearer token, server state, loaded model); the worker stops on leaving."""
+    loaded = open_checkpoint(checkpoint)
+    state = State(Limits(max_prompt_tokens=64, max_generate=8, max_body_bytes=1 << 20, max_queue=2), Queue(2), TOKEN)
+    stopping = threading.Event()
+    model = Model(loaded)
+    worker = threading.Thread(target=lead, args=(model, state.jobs, stopping, 0.2), daemon=True)
+    worker.start()
+    state.model, state.facts = model, {"health": {"model": loaded.label}, "info": {"model": loaded.label}}
+    try:
+        with TestClient(make_app(state)) as client:
+            client.headers["authorization"] = f"Bearer {TOKEN}"
+            yield client, state, loaded
+    finally:
+        stopping.set()
+        worker.join(10)
+
+
+def post(client: TestClient, request: TraceRequest):
+    body, kind = encode_request(request)
+    return client.post("/trace", content=body, headers={"content-type": kind})
