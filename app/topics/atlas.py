@@ -294,14 +294,21 @@ def bias_figure(atlas: Atlas) -> go.Figure:
     )
 
 
-def near_tie_figure(atlas: Atlas) -> go.Figure | None:
-    """Per MoE block, the share of routings that were near-ties (margin below 1e-3), of the experts and
-    of the groups; None for an atlas without the block measures."""
+def _measured(atlas: Atlas, count: str) -> pd.DataFrame | None:
+    """The block_measures rows, by block, of the blocks that counted any ``count``; None for an atlas
+    without the block measures (built before them) or where no block did."""
     table = atlas.tables.get("block_measures")
     if table is None:
         return None
-    table = table[table["routings"] > 0].sort_values("block")
-    if table.empty:
+    table = table[table[count] > 0].sort_values("block")
+    return None if table.empty else table
+
+
+def near_tie_figure(atlas: Atlas) -> go.Figure | None:
+    """Per MoE block, the share of routings that were near-ties (margin below 1e-3), of the experts and
+    of the groups; None for an atlas without the block measures."""
+    table = _measured(atlas, "routings")
+    if table is None:
         return None
     x = [f"block {b}" for b in table["block"]]
     traces = [
@@ -328,11 +335,8 @@ def near_tie_figure(atlas: Atlas) -> go.Figure | None:
 def overlap_figure(atlas: Atlas) -> go.Figure | None:
     """Per block, the mean Jaccard overlap of the indexer's selection with the block before's; None
     for an atlas without the block measures or where no query saw more than index_topk keys."""
-    table = atlas.tables.get("block_measures")
+    table = _measured(atlas, "overlap_queries")
     if table is None:
-        return None
-    table = table[table["overlap_queries"] > 0].sort_values("block")
-    if table.empty:
         return None
     trace = {
         "type": "bar",
