@@ -17,7 +17,7 @@ from tracing.tables import to_csv_bytes
 
 from .core.markup import escape_md
 from .core.session import View, current, origin
-from .topics.export import ZIP, page_zip_bytes, slug
+from .topics.export import PNG_SCALE, ZIP, images_unavailable, page_zip_bytes, slug
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 DRAWN = "page_drawn"  # session key: the page whose figures and tables were drawn, and them
@@ -102,12 +102,14 @@ def keep(key: str, title: str, item: go.Figure | pd.DataFrame) -> None:
 
 
 def page_downloads(name: str) -> None:
-    """One button at the page's end: every figure (standalone HTML and its JSON) and table (CSV) the
-    page drew, in one zip. Made when clicked, from the list as it is then (a tab opened since adds its
-    figures)."""
+    """One button at the page's end: every figure (standalone HTML, its JSON, SVG and PNG where kaleido
+    and a Chrome are at hand) and table (CSV) the page drew, in one zip. Made when clicked, from the
+    list as it is then (a tab opened since adds its figures)."""
     items = drawn()
     if not items:
         return
+    why = images_unavailable()
+    images = f"{why}." if why else f"Also SVG and PNG (scale {PNG_SCALE}), drawn by kaleido in a Chrome (seconds a page)."
     st.divider()
     download(
         st,
@@ -118,7 +120,7 @@ def page_downloads(name: str) -> None:
         "page_zip",
         ":material/folder_zip:",
         help="Each figure as a standalone HTML file (open it in a browser, interactive) with its plotly JSON, "
-        "each table as CSV. PNG and SVG need kaleido and a Chrome, which this app does not install.",
+        f"each table as CSV; README.txt lists them. {images}",
     )
 
 
