@@ -352,8 +352,22 @@ def _ffn_label(shares: np.ndarray, threshold: float) -> str:
     return " · ".join(f"{names[j]} {shares[j]:.2f}" for j in order) or "experts"
 
 
+def labels_fit(graph: Graph, width: float = 900.0, char: float = 5.5) -> bool:
+    """Whether each FFN square's label (``e5 0.31 · shared 0.12``, written to its right) clears the next
+    square of its row at a full page's plot width: on a long prompt they run into each other and are
+    left to the hover."""
+    if graph.nodes.empty:
+        return True
+    xs = np.concatenate([graph.edges[["x0", "x1"]].to_numpy().ravel(), graph.nodes["x"].to_numpy()])
+    per_position = width / (xs.max() - xs.min() + 1)  # pixels per drawn position
+    needed = char * graph.nodes["label"].str.len().max() + 12  # the square and the text
+    gaps = [np.diff(np.sort(row["x"].to_numpy())) for _, row in graph.nodes.groupby("y")]
+    return all(gap.size == 0 or gap.min() * per_position >= needed for gap in gaps)
+
+
 def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"each stream's top {TOP_EDGES} edges") -> go.Figure:
     """The graph's edges, wider for larger shares; ``rule`` (which edges are drawn) goes in the title."""
+    written = labels_fit(graph)
     colours = {"attention": COLORS["attention"], "residual": COLORS["norm"], "ffn": COLORS["ffn"]}
     traces = []
     for kind, colour in colours.items():
@@ -384,11 +398,12 @@ def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"ea
         traces.append(
             {
                 "type": "scatter",
-                "mode": "markers+text",
+                "mode": "markers+text" if written else "markers",
                 "x": [labels[int(x)] for x in graph.nodes["x"]],
                 "y": graph.nodes["y"],
                 "text": graph.nodes["label"],
                 "textposition": "middle right",
+                "cliponaxis": False,
                 "textfont": {"size": 9},
                 "marker": {"symbol": "square", "size": 8, "color": COLORS["ffn"]},
                 "name": "FFN (experts)",
@@ -397,6 +412,8 @@ def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"ea
         )
     ticks = list(range(len(graph.levels)))
     title = f"Contribution graph into position {position}: {rule}; keys the indexer dropped never drawn"
+    if not written:
+        title += "; hover a square for its experts' shares"
     return figure(
         traces,
         title,

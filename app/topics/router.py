@@ -257,20 +257,34 @@ def margins(table: pd.DataFrame, block: int) -> pd.DataFrame | None:
 
 
 def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: float) -> go.Figure:
-    """Bars of each position's margin, near-ties (below ``near``) in the marker colour: where a small
-    change of the scores (a rounding, the bias) would change the chosen set."""
-    colors = [COLORS["marker"] if tie else COLORS["moe"] for tie in frame["near_tie"]]
+    """Bars of each position's margin, near-ties (below ``near``) also marked ▲ in the marker colour: where
+    a small change of the scores (a rounding, the bias) would change the chosen set. A near-tie's bar is
+    too short to see on the scale of the others, hence the mark."""
     trace = {
         "type": "bar",
         "x": labels,
         "y": frame["margin"],
-        "marker": {"color": colors},
+        "marker": {"color": COLORS["norm"]},
         "hovertemplate": "%{x}<br>margin %{y:.5f}<extra></extra>",
         "name": "margin",
     }
+    tied = frame["near_tie"].to_numpy(dtype=bool)  # (T,)
     traces = [trace]
-    ties = int(frame["near_tie"].sum())
-    title = f"Block {block}: routing margin per position ({ties} near-tie{'s' if ties != 1 else ''} below {near:g}, in red)"
+    ties = int(tied.sum())
+    if ties:
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": [label for label, tie in zip(labels, tied, strict=True) if tie],
+                "y": frame["margin"][tied],
+                "marker": {"symbol": "triangle-up", "size": 10, "color": COLORS["marker"]},
+                "cliponaxis": False,  # at y ~ 0: whole, not cut by the axis
+                "hovertemplate": "%{x}<br>near-tie: margin %{y:.5f}<extra></extra>",
+                "name": "near-tie",
+            }
+        )
+    title = f"Block {block}: routing margin per position ({ties} near-tie{'s' if ties != 1 else ''} below {near:g}, red ▲)"
     if "group_margin" in frame and frame["group_margin"].notna().any():  # the group step's margin beside the experts'
         traces.append(
             {

@@ -20,7 +20,8 @@ def show_token(token: str, limit: int = 24, html_escape: bool = True) -> str:
     if len(text) > limit:
         text = text[: limit - 1] + "…"
     text = text or "∅"
-    return html.escape(text) if html_escape else text
+    # plotly decodes numeric entities and only a few named ones (not &quot;): a quote as &#34;
+    return html.escape(text).replace("&quot;", "&#34;") if html_escape else text
 
 
 def token_texts(trace: Trace) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from app import plots
@@ -33,6 +34,22 @@ def trace(tiny_model):
 def long_trace(tiny_model):
     ids = [(7 * i + 3) % TINY.vocab_size for i in range(TICK_LIMIT + 5)]
     return run(tiny_model, TraceRequest(token_ids=ids, record=("all",)))
+
+
+# the named entities plotly.js decodes in a label (svg_text_utils); any other would be drawn as typed
+PLOTLY_ENTITIES = {"mu", "amp", "lt", "gt", "nbsp", "times", "plusmn", "deg"}
+
+
+@pytest.mark.parametrize("token", [' "', "'s", "<b>x</b>", "a & b", '"quoted"'])
+def test_a_token_label_reads_as_its_text_in_a_figure(token):
+    import html
+    import re
+
+    from app.topics.tokens import show_token
+
+    shown = show_token(token)
+    assert "<" not in shown and not set(re.findall(r"&([a-z]+);", shown)) - PLOTLY_ENTITIES, shown
+    assert html.unescape(shown) == show_token(token, html_escape=False)
 
 
 def kind(fig, type_: str, name: str | None = None) -> list:
@@ -84,11 +101,19 @@ def test_the_bias_figure_draws_its_panels_and_dotted_group_lines(trace):
     assert fig.layout.shapes and all(s.line.dash == "dot" for s in fig.layout.shapes)
 
 
-def test_margins_colour_the_near_ties_the_title_counts(trace):
+@pytest.mark.parametrize("tie", [False, True])
+def test_margins_mark_the_near_ties_the_title_counts(trace, tie):
     frame = router.margins(tables(trace)["margins"], MOE)
+    if tie:  # a near-tie at position 2, as a rounding could make one
+        frame.loc[2, ["margin", "near_tie"]] = [0.0, True]
     fig = router.margins_figure(frame, position_labels(trace), MOE, NEAR_TIE)
-    red = sum(c == COLORS["marker"] for c in kind(fig, "bar")[0].marker.color)
-    assert f"({red} near-tie" in fig.layout.title.text and "in red" in fig.layout.title.text
+    ties = int(frame["near_tie"].sum())
+    marked = kind(fig, "scatter", "near-tie")
+    assert f"({ties} near-tie" in fig.layout.title.text and "red ▲" in fig.layout.title.text
+    assert (len(marked[0].x) if marked else 0) == ties
+    if marked:  # red on a bar of another colour: the bars are grey
+        assert marked[0].marker.symbol == "triangle-up" and marked[0].marker.color == COLORS["marker"]
+        assert kind(fig, "bar")[0].marker.color != COLORS["marker"]
 
 
 @pytest.mark.parametrize("long", [False, True])
@@ -177,6 +202,22 @@ def test_the_contribution_graph_draws_only_the_edges_its_title_names(flow_trace)
     assert "each stream's top 2 edges; keys the indexer dropped never drawn" in fig.layout.title.text
     drawn = sum(sum(v is None for v in t.x) for t in kind(fig, "scatter") if t.mode == "lines")  # one gap per edge
     assert drawn == len(graph.edges) and graph.edges.groupby(["x1", "y1"]).size().max() <= 2
+
+
+@pytest.mark.parametrize("spread", [40, 1])
+def test_the_contribution_graph_writes_its_squares_labels_only_where_they_fit(spread):
+    """Squares 40 positions apart leave room for their labels; side by side (a long prompt's graph) the
+    labels would run into each other, so the hover holds them and the title says so."""
+    xs = [0, spread, 2 * spread]
+    rows = [(x, 1, x, 2, 0.5, "ffn") for x in xs] + [(0, 0, 120, 1, 0.5, "attention")]  # 121 positions drawn
+    edges = pd.DataFrame(rows, columns=["x0", "y0", "x1", "y1", "share", "kind"])
+    nodes = pd.DataFrame([(x, 1.5, "e5 0.31 · shared 0.12", 0.5) for x in xs], columns=["x", "y", "label", "share"])
+    labels = [f"{i} t" for i in range(121)]
+    fig = attribution.flow_figure(attribution.Graph(edges, nodes, ["embedding", "0 attention", "0 FFN"]), labels, 120)
+    (squares,) = kind(fig, "scatter", "FFN (experts)")
+    written = squares.mode == "markers+text"
+    assert written == (spread == 40)
+    assert ("hover a square" in fig.layout.title.text) != written
 
 
 @pytest.mark.parametrize("name", plots.names())
