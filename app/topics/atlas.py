@@ -235,7 +235,8 @@ def token_search(atlas: Atlas, text: str) -> tuple[int | None, pd.DataFrame | No
     if token is None:
         spaced = "" if text.startswith(" ") or find_token(atlas.tables, " " + text) is None else f"; {' ' + text!r} is"
         min_count = atlas.summary.get("settings", {}).get("min_count", "--min-count")
-        return None, None, f"{text!r} is not in the atlas: no token of that text or id seen at least {min_count} times{spaced}"
+        typed = repr(text) if len(text) <= 60 else f"{text[:60]!r}… ({len(text):,} characters)"  # echoed, not pasted back whole
+        return None, None, f"{typed} is not in the atlas: no token of that text or id seen at least {min_count} times{spaced}"
     routes = token_routes(atlas.tables, token)
     occurrences = int(routes["occurrences"].iloc[0])
     name = show_token(str(routes["token"].iloc[0]), html_escape=False)

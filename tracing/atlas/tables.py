@@ -207,7 +207,7 @@ def find_token(found: Mapping[str, pd.DataFrame], text: str) -> int | None:
     table = found.get("token_experts")
     if table is None or table.empty:
         return None
-    if text.strip().isascii() and text.strip().isdigit():
+    if text.isascii() and text.isdigit():  # " 12" is a token's text, a leading space included
         token = int(text)
         return token if (table["token_id"] == token).any() else None
     hits = table.loc[table["token"] == text, "token_id"]
