@@ -194,6 +194,16 @@ BAD_TRACES = {
 }
 
 
+@demo_only
+@pytest.mark.parametrize("ids", ["-5", "5,-1", str(2**70)])
+def test_a_checkpoint_diff_refuses_an_id_outside_the_vocabulary_before_decoding_it(capsys, tmp_path, ids):
+    """Both tokenizers read each prompt token's text to compare them: an id no tokenizer can decode is
+    refused in one line first, as `run` refuses it."""
+    other = shutil.copytree(DEMO, tmp_path / "demo2")
+    line = refused(capsys, "diff", "--checkpoint", "demo", "--against", other, f"--token-ids={ids}")
+    assert "outside the vocabulary" in line or "--token-ids" in line, line
+
+
 @pytest.mark.parametrize("case", [*NO_TRACEBACK, *BAD_TRACES, "deep JSONL", "other vocabularies"])
 def test_no_input_gives_a_traceback(capsys, tmp_path, tiny_checkpoint, trace, attributed, case):
     if case in NO_TRACEBACK:

@@ -376,14 +376,14 @@ def trace_checkpoints(
     check_shapes(*configs, what="the checkpoints are models")
     tokenizers = [Tokenizer(d) if (d / "tokenizer.json").exists() else None for d in directories]
     ids = [encode(request, tokenizer) for tokenizer in tokenizers]
+    for config, prompt_ids in zip(configs, ids, strict=True):
+        check_token_ids(prompt_ids, config)  # the context length and the vocabulary, before any model loads or decodes
     both = all(t is not None for t in tokenizers)
     check_tokenizers(
         *ids,
         *([t.vocab_size for t in tokenizers] if both else [None, None]),
         *([t.token_strings(i) for t, i in zip(tokenizers, ids, strict=True)] if both else [None, None]),
     )
-    for config, prompt_ids in zip(configs, ids, strict=True):
-        check_token_ids(prompt_ids, config)  # the context length, before any model loads
     traces = []
     for which, directory in enumerate(directories):
         loaded = open_checkpoint(directory, device, dtype, stream, mtp=False)
