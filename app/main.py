@@ -48,7 +48,8 @@ def main() -> None:
     page = st.navigation([st.Page(p.file, title=p.title, icon=p.icon, default=i == 0) for i, p in enumerate(PAGES)])
     notices = st.container()
     if dropped:
-        notices.warning(f"The link's {', '.join(dropped)} could not be read and were left out.", icon=":material/link_off:")
+        were = "was" if len(dropped) == 1 else "were"
+        notices.warning(f"The link's {', '.join(dropped)} could not be read and {were} left out.", icon=":material/link_off:")
     widgets.guarded(lambda: sidebar.render(notices), "The sidebar")
     widgets.new_page(page.title)
     widgets.guarded(page.run, f"The page {page.title}")
