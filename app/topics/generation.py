@@ -121,17 +121,26 @@ def mtp_summary(info: dict) -> str | None:
 
 
 def mtp_figure(drafts: pd.DataFrame) -> go.Figure:
-    """Per generated token: the draft's probability, coloured by whether the model wrote it."""
+    """Per generated token: the draft's probability, coloured by whether the model wrote it; the first
+    token's draft (made in the prefill, which no speculative decoder checks) in grey, as the rate leaves
+    it out."""
     accepted = drafts["accepted"].fillna(False).astype(bool)
+    colours = [
+        (COLORS["attention"] if a else COLORS["marker"]) if v else COLORS["norm"]
+        for a, v in zip(accepted, drafts["verified"], strict=True)
+    ]
     bar = {
         "type": "bar",
         "x": [f"{p} {t}" for p, t in zip(drafts["position"], drafts["written"], strict=True)],
         "y": drafts["draft_prob"],
-        "marker": {"color": [COLORS["attention"] if a else COLORS["marker"] for a in accepted]},
-        "customdata": drafts["draft"],
-        "hovertemplate": "%{x}<br>draft %{customdata!r}: p = %{y:.3f}<extra></extra>",
+        "marker": {"color": colours},
+        "customdata": [html.escape(t, quote=False) for t in drafts["draft"]],  # plotly draws hover text as HTML
+        "hovertemplate": "%{x}<br>draft %{customdata}: p = %{y:.3f}<extra></extra>",
     }
-    title = "The MTP draft of each written token, made one step before (blue: the model wrote it; red: it did not)"
+    title = (
+        "The MTP draft of each written token, made one step before (blue: the model wrote it; red: it did not; "
+        "grey: drafted in the prefill, not counted)"
+    )
     return figure([bar], title, height=320, yaxis={"title": {"text": "draft probability"}, "range": [0, 1]})
 
 

@@ -204,6 +204,29 @@ def test_the_contribution_graph_draws_only_the_edges_its_title_names(flow_trace)
     assert drawn == len(graph.edges) and graph.edges.groupby(["x1", "y1"]).size().max() <= 2
 
 
+def test_the_mtp_figure_greys_the_draft_the_rate_leaves_out():
+    """The first written token's draft was made in the prefill: the acceptance rate leaves it out, so
+    the figure draws it grey, and blue and red bars count what the rate counts."""
+    from app.topics import generation
+
+    steps = pd.DataFrame(
+        {
+            "position": [3, 4, 5, 6],
+            "token": ["a", "b", "c", "d"],
+            "mtp_draft": ["a", "b", "<b>x</b>", "d"],
+            "mtp_draft_prob": [0.5, 0.4, 0.3, 0.2],
+            "mtp_accepted": [True, True, False, True],
+        }
+    )
+    drafts = generation.mtp_drafts(steps, start=3)
+    fig = generation.mtp_figure(drafts)
+    colours = list(fig.data[0].marker.color)
+    assert colours == [COLORS["norm"], COLORS["attention"], COLORS["marker"], COLORS["attention"]]
+    assert "grey: drafted in the prefill" in fig.layout.title.text
+    # the hover names the draft: a plain %{customdata} (plotly has no !r), escaped as plotly reads HTML
+    assert "%{customdata}" in fig.data[0].hovertemplate and list(fig.data[0].customdata)[2] == "&lt;b&gt;x&lt;/b&gt;"
+
+
 @pytest.mark.parametrize("spread", [40, 1])
 def test_the_contribution_graph_writes_its_squares_labels_only_where_they_fit(spread):
     """Squares 40 positions apart leave room for their labels; side by side (a long prompt's graph) the
