@@ -268,22 +268,9 @@ def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: flo
         "hovertemplate": "%{x}<br>margin %{y:.5f}<extra></extra>",
         "name": "margin",
     }
-    tied = frame["near_tie"].to_numpy(dtype=bool)  # (T,)
     traces = [trace]
+    tied = frame["near_tie"].to_numpy(dtype=bool)  # (T,)
     ties = int(tied.sum())
-    if ties:
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": "markers",
-                "x": [label for label, tie in zip(labels, tied, strict=True) if tie],
-                "y": frame["margin"][tied],
-                "marker": {"symbol": "triangle-up", "size": 10, "color": COLORS["marker"]},
-                "cliponaxis": False,  # at y ~ 0: whole, not cut by the axis
-                "hovertemplate": "%{x}<br>near-tie: margin %{y:.5f}<extra></extra>",
-                "name": "near-tie",
-            }
-        )
     title = f"Block {block}: routing margin per position ({ties} near-tie{'s' if ties != 1 else ''} below {near:g}, red ▲)"
     if "group_margin" in frame and frame["group_margin"].notna().any():  # the group step's margin beside the experts'
         traces.append(
@@ -299,6 +286,19 @@ def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: flo
         )
         group_ties = int(frame["near_tie_group"].sum())
         title += f"; groups (diamonds): {group_ties} near-tie{'s' if group_ties != 1 else ''}"
+    if ties:  # drawn last: over the diamonds
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": [label for label, tie in zip(labels, tied, strict=True) if tie],
+                "y": frame["margin"][tied],
+                "marker": {"symbol": "triangle-up", "size": 10, "color": COLORS["marker"]},
+                "cliponaxis": False,  # at y ~ 0: whole, not cut by the axis
+                "hovertemplate": "%{x}<br>near-tie: margin %{y:.5f}<extra></extra>",
+                "name": "near-tie",
+            }
+        )
     yaxis = {"title": {"text": "last chosen - best unchosen"}}
     return figure(traces, title, xaxis=positions(labels, "position"), yaxis=yaxis)
 
