@@ -28,7 +28,15 @@ from model.config import ModelArgs
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
-from .analyses.interventions import HookFunctions, Intervention, PassContext, PatchAt, from_spec, parse_positions
+from .analyses.interventions import (
+    HookFunctions,
+    Intervention,
+    PassContext,
+    PatchAt,
+    check_positions,
+    from_spec,
+    parse_positions,
+)
 from .analyses.mtp import acceptance
 from .analyses.mtp import note as mtp_note
 from .chat import encode_chat
@@ -279,6 +287,7 @@ def run(
         patches = None
     if hooks:
         interventions.append(HookFunctions(hooks))
+    check_positions(interventions, len(ids) + request.generate)
     return trace_tokens(
         model,
         ids,

@@ -325,6 +325,8 @@ MISLEADING = {
     "--top-p nan": ["--generate", "2", "--temperature", "1", "--top-p", "nan"],
     '--record ""': ["--record", ""],
     '--patch ""': ["--patch", ""],
+    "a removal past the last position": ["--zero-experts", "1:0@3:"],  # three tokens: positions 0..2
+    "a removal past the generation": ["--ablate-heads", "1:0@6", "--generate", "2"],
 }
 
 

@@ -480,6 +480,18 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     return out
 
 
+def check_positions(interventions: Sequence[Intervention], n_positions: int) -> None:
+    """InputError for an intervention placed only at positions the run never reaches (``n_positions``:
+    the prompt's and the generated tokens'): it would change nothing and say nothing."""
+    for intervention in interventions:
+        positions = getattr(intervention, "positions", None)
+        if positions is not None and positions[0] >= n_positions:
+            raise InputError(
+                f"nothing to change: the run's last position is {n_positions - 1} (the prompt's tokens and"
+                f" --generate's), and {intervention.describe().strip()}"
+            )
+
+
 def replacements_of(interventions: Sequence[Intervention], args: ModelArgs, points: Mapping) -> dict[str, list[Replace]]:
     """Every intervention's replacements by hook point, in the order they apply; InputError for a
     point this model lacks (``points``: its hook points by name)."""
