@@ -161,7 +161,8 @@ def _experts(atlas: Atlas) -> None:
     frame = topic.experts(atlas, search)
     st.caption(
         f"{len(frame):,} experts. Every block's routed experts: `count` tokens that chose it, `share` of the block's "
-        "selections, `mean_weight` its mean gate weight, and its five most specific tokens (specificity: PMI with a "
+        "selections, `mean_weight` its mean gate weight (after the router's route_scale, so it may exceed 1: the "
+        "weights of a token's k experts sum to route_scale), and its five most specific tokens (specificity: PMI with a "
         "count prior). Click a column to sort."
     )
     widgets.table(st, frame, "experts")
