@@ -582,11 +582,13 @@ Site = tuple[str, torch.dtype]  # (shape legend, recorded dtype)
 _LAYER_SITE = re.compile(r"layers\.(0|[1-9][0-9]{0,8})\.(.+)")  # canonical block indices only: one name per site
 
 
-def next_topk(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_topk(logits: torch.Tensor, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The NEXT_TOPK most likely tokens of each row of float32 logits (..., V), best first, and their
-    probabilities: what ``next.topk_*`` record, and the greedy choice (the first) of a generation."""
+    probabilities: what ``next.topk_*`` record, and the greedy choice (the first) of a generation.
+    ``lse``: the rows' ``logsumexp(dim=-1, keepdim=True)`` where the caller formed it already."""
     top = logits.topk(min(NEXT_TOPK, logits.shape[-1]), dim=-1)
-    return top.indices, (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    lse = logits.logsumexp(dim=-1, keepdim=True) if lse is None else lse
+    return top.indices, (top.values - lse).exp()
 
 
 def site_name(block: int, suffix: str) -> str:
@@ -752,7 +754,7 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
     chosen: list[str] = []
     for pattern in patterns:
         if pattern == "default":
-            matched = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS)]
+            matched = list(_default_sites(args))
         elif pattern in ("attribution", "flow"):  # an analysis' sites (a model without MoE blocks has no expert lens)
             matched = [n for n in names if analysis(n) == pattern]
         elif pattern == "all":  # not the analyses: the attribution needs a position and a target, the graph is costly
@@ -767,6 +769,12 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.extend(m for m in matched if m not in chosen)
     return sorted(chosen, key=site_order)
+
+
+@lru_cache(maxsize=16)
+def _default_sites(args: ModelArgs) -> tuple[str, ...]:
+    """The default patterns' sites of a config, matched once: every trace asks (1-2 ms of globbing a time)."""
+    return tuple(n for n in site_shapes(args) if any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS))
 
 
 def _indexer_only(pattern: str) -> bool:

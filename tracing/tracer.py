@@ -23,6 +23,7 @@ from .analyses.flow import Flow
 from .analyses.heads import HeadReads
 from .analyses.interventions import Intervention, Replace, during, replaced, replacements_of
 from .analyses.ranks import Ranks
+from .analyses.recall import one_dense
 from .errors import InputError
 from .sites import (
     LOGIT_LENS_TOPK,
@@ -234,8 +235,9 @@ class Tracer:
     def _mtp_draft(self, module, inputs, output):
         """mtp.*: the MTP module ran for positions max(start - 1, 0) onwards (model.Transformer.draft)."""
         logits = output[0].float()  # (T', V)
-        indices, probs = next_topk(logits)
-        values = {"mtp.topk_indices": indices, "mtp.topk_probs": probs.float(), "mtp.0.logits": logits}
+        values = {"mtp.0.logits": logits}
+        if "mtp.topk_indices" in self._mtp or "mtp.topk_probs" in self._mtp:
+            values["mtp.topk_indices"], values["mtp.topk_probs"] = next_topk(logits)  # (T', A) each
         values = {name: values[name].cpu() for name in self._mtp}  # one copy each
         first = max(self._start_pos - 1, 0)
         for i in range(logits.shape[0]):
@@ -267,18 +269,25 @@ class Tracer:
         else:
             rest = type(head).forward(head, normed[0, :-1].float())  # (T - 1, V)
             logits = torch.cat([rest, output.float()], dim=0)  # (T, V)
-        logprobs = logits - logits.logsumexp(dim=-1, keepdim=True)  # as next_topk forms its probabilities
-        indices, probs = next_topk(logits)
-        entropy = torch.special.entr(logprobs.exp()).sum(dim=-1)  # (T,)
+        asked = {name.removeprefix("next.") for name in self._next}  # only what was asked for is formed
+        lse = logits.logsumexp(dim=-1, keepdim=True)  # (T, 1): once, for the log-probabilities and the top-k's
+        logprobs = logits - lse  # (T, V)
+        values: dict[str, torch.Tensor] = {}
+        if asked & {"topk_indices", "topk_probs", "token_prob"}:
+            values["topk_indices"], values["topk_probs"] = next_topk(logits, lse)  # (T, A) each
+        if "entropy" in asked:
+            values["entropy"] = torch.special.entr(logprobs.exp()).sum(dim=-1)  # (T,)
         following = torch.tensor(self.token_ids[self._start_pos + 1 : self._start_pos + 1 + len(logits)], dtype=torch.long)
-        token_prob = logprobs[: len(following)].gather(1, following.to(logits.device)[:, None])[:, 0].exp()
-        token_prob = torch.cat([token_prob, probs[len(following) :, 0]])  # no following token yet: the greedy one's
-        values = {"topk_indices": indices, "topk_probs": probs, "entropy": entropy, "token_prob": token_prob}
+        if "token_prob" in asked:
+            token_prob = logprobs[: len(following)].gather(1, following.to(logits.device)[:, None])[:, 0].exp()
+            greedy = values["topk_probs"][len(following) :, 0]  # no following token yet: the greedy one's
+            values["token_prob"] = torch.cat([token_prob, greedy])  # (T,)
         for site, value in values.items():
-            if f"next.{site}" in self._next:
+            if site in asked:
                 self.values[f"next.{site}"] = value.float().cpu() if value.is_floating_point() else value.cpu()
         if len(following) < len(logits) and "next.token_prob" in self.values:  # settled when the token comes
-            self._pending = (self.values["next.token_prob"], len(logits) - 1, logprobs[-1].cpu())
+            # a copy of the last row: a view would keep every position's log-probabilities until then
+            self._pending = (self.values["next.token_prob"], len(logits) - 1, logprobs[-1].to("cpu", copy=True))
 
     def _settle(self) -> None:
         """The probability the last position of the pass before gave the token that came next (a
@@ -307,9 +316,11 @@ class Tracer:
                 whole = gather_heads(value, self.plan, layer_site(name)[0])  # all heads (a collective on every rank)
             if record:
                 self.values[name] = _to_cpu(whole, module.shape)
-            for target in derived:
-                if (got := self._derive(target, whole)) is not None:  # None: the site has no value here
-                    self.values[target] = got
+            if derived:
+                with one_dense():  # the recall and the KL of a block share one dense softmax
+                    for target in derived:
+                        if (got := self._derive(target, whole)) is not None:  # None: the site has no value here
+                            self.values[target] = got
             return None if value is output else value
 
         return hook
@@ -329,9 +340,8 @@ def _to_cpu(value: torch.Tensor, legend: str) -> torch.Tensor:
         if out.shape[0] != 1:
             raise InputError("tracing records batch size 1")
         out = out[0]
-    if out.is_floating_point():
-        out = out.float()
-    return out.to("cpu", copy=True)
+    dtype = torch.float32 if out.is_floating_point() else out.dtype
+    return out.to("cpu", dtype, copy=True)  # one copy, widened on the way
 
 
 def _as_batched(patch: torch.Tensor, output: torch.Tensor, name: str) -> torch.Tensor:

@@ -96,3 +96,26 @@ def _tied(scores: torch.Tensor) -> torch.Tensor:
     weakest = ranked.values[:, TINY.n_limited_groups - 1]
     out.scatter_(-1, ranked.indices[:, TINY.n_limited_groups : TINY.n_limited_groups + 1], (weakest - 1e-4)[:, None])
     return out
+
+
+def test_recall_and_kl_share_one_dense_softmax_without_touching_the_scores():
+    from tracing.analyses.recall import head_recall, one_dense
+
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(1, 6, 2, 6, generator=g)  # float32: the copy the softmax masks must not be these
+    before = scores.clone()
+    index_scores = torch.randn(1, 6, 6, generator=g).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    keys = torch.tensor([[[0, -1], [1, 0], [2, 0], [3, 1], [2, 4], [5, 0]]])
+    alone = head_recall(scores, keys), indexer_kl(scores, index_scores)
+    with one_dense():
+        shared = head_recall(scores, keys), indexer_kl(scores, index_scores)
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared, strict=True))
+    assert torch.equal(scores, before)
+    assert torch.allclose(alone[0][0, 0], torch.ones(2))  # the first query sees one key, selected
+
+
+def test_next_sites_asked_alone_equal_the_defaults(tiny_model):
+    base = trace_tokens(tiny_model, IDS)
+    for site in ("next.token_prob", "next.entropy", "next.topk_probs"):
+        alone = trace_tokens(tiny_model, IDS, record=[site])
+        assert torch.equal(alone[site], base[site]), site

@@ -2,14 +2,46 @@
 
 One computation for the trace site ``layers.{i}.attn.indexer.recall`` and for the atlas. The dense
 distribution is MLA's softmax of the scaled logits (``attn.scores``) under the causal mask alone, per
-head, formed in float32 from the logits as they are (the softmax converts them on the fly); its
+head, formed in float32 from the logits as they are (widened exactly, then masked); its
 probabilities are gathered at the K selected keys and added, so no (T, S) mask of the selection is
-built or multiplied in.
+built or multiplied in. The recall and the KL read the same dense distribution: inside
+:func:`one_dense` it is formed once per scores tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
+
+# (scores, their dense distribution) while one_dense is entered: scoped, so nothing outlives the hook
+_DENSE: contextvars.ContextVar[list | None] = contextvars.ContextVar("dense_attention", default=None)
+
+
+@contextlib.contextmanager
+def one_dense() -> Iterator[None]:
+    """Within it, :func:`dense_attention` of one scores tensor is computed once (the tracer enters
+    it around the derivations of one hook's value: the recall and the KL of a block); on exit the
+    distribution is dropped, so a block's (T, H, S) float32 copy lives no longer than its hook."""
+    token = _DENSE.set([])
+    try:
+        yield
+    finally:
+        _DENSE.reset(token)
+
+
+def dense_attention(scores: torch.Tensor) -> torch.Tensor:
+    """MLA's softmax of the scaled logits ``scores`` (B, T, H, S) under the causal mask alone, float32."""
+    memo = _DENSE.get()
+    if memo and memo[0] is scores:
+        return memo[1]
+    # masked in float32 (a copy: the model's scores stay as they are), as softmax(dtype=float32) widens first
+    dense = _mask_causal(scores.to(torch.float32, copy=True)).softmax(dim=-1)  # (B, T, H, S)
+    if memo is not None:
+        memo[:] = [scores, dense]
+    return dense
 
 
 def head_recall(scores: torch.Tensor, selected: torch.Tensor, distinct: bool = False) -> torch.Tensor:
@@ -21,7 +53,7 @@ def head_recall(scores: torch.Tensor, selected: torch.Tensor, distinct: bool = F
     twice (the indexer's own top-k; a forced selection may repeat one), which saves a sort.
     """
     bsz, seqlen, heads, n_keys = scores.shape
-    dense = _causal(scores).softmax(dim=-1, dtype=torch.float32)  # (B, T, H, S)
+    dense = dense_attention(scores)  # (B, T, H, S)
     keys = selected if distinct else selected.sort(dim=-1).values  # (B, T, K)
     query = torch.arange(n_keys - seqlen, n_keys, device=keys.device)[None, :, None]  # (1, T, 1)
     valid = (keys >= 0) & (keys <= query)
@@ -31,14 +63,14 @@ def head_recall(scores: torch.Tensor, selected: torch.Tensor, distinct: bool = F
     return (picked * valid[:, :, None, :]).sum(dim=-1)  # (B, T, H)
 
 
-def _causal(scores: torch.Tensor) -> torch.Tensor:
-    """``scores`` (B, T, ..., S) with -inf at the keys after each query (the last T of S positions)."""
+def _mask_causal(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B, T, ..., S), in place, with -inf at the keys after each query (the last T of S positions)."""
     seqlen, n_keys = scores.shape[1], scores.shape[-1]
     if seqlen == 1:  # a decode step's one query sees every key
         return scores
     causal = torch.ones(seqlen, n_keys, dtype=torch.bool, device=scores.device).tril(n_keys - seqlen)  # (T, S)
     shape = (1, seqlen, *([1] * (scores.dim() - 3)), n_keys)
-    return scores.masked_fill(~causal.view(shape), float("-inf"))
+    return scores.masked_fill_(~causal.view(shape), float("-inf"))
 
 
 def indexer_kl(scores: torch.Tensor, index_scores: torch.Tensor) -> torch.Tensor:
@@ -46,9 +78,12 @@ def indexer_kl(scores: torch.Tensor, index_scores: torch.Tensor) -> torch.Tensor
     under the causal mask, mean over heads), q the indexer's (softmax of its scores over the keys it
     may see): what the indexer was trained to make small. ``scores`` (B, T, H, S), ``index_scores``
     (B, T, S) with -inf where masked; returns (B, T) float32."""
-    p = _causal(scores).softmax(dim=-1, dtype=torch.float32).mean(dim=2)  # (B, T, S)
+    p = dense_attention(scores).mean(dim=2)  # (B, T, S)
     log_q = index_scores.float().log_softmax(dim=-1)  # (B, T, S)
-    terms = torch.where(p > 0, p * (p.clamp_min(1e-38).log() - log_q), torch.zeros_like(p))
+    positive = p > 0
+    # the keys of p = 0 (after the query: about half) take log(1), not log of a subnormal (ten times slower)
+    log_p = torch.where(positive, p, 1.0).clamp_min(1e-38).log()
+    terms = torch.where(positive, p * (log_p - log_q), torch.zeros_like(p))
     return terms.sum(dim=-1)
 
 
