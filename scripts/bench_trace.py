@@ -8,19 +8,32 @@ A benchmark run by hand, not a test; it prints one JSON object on stdout (progre
 
 Variants, each timed per round in an order rotated from round to round (one warm-up first), so
 background load falls on all alike; ``ratio`` is the median over rounds of variant time / the
-same round's untraced time:
+same round's untraced time (``cpu_ratio``: the same over this process's CPU time, which the other
+processes' load stretches less than wall time):
 
 * ``untraced``            ``model(batch)`` under inference_mode.
+* ``untraced_mtp``        ``model(batch, mtp=True)``: the forward with the MTP module's draft (a checkpoint
+  with one), the work the default ``mtp.topk_*`` sites make the model do; ``vs_mtp`` in a traced
+  variant's results is its time over this one's, round by round: tracing's own cost with the draft
+  counted as the model's.
 * ``tracer_empty``        ``with Tracer(model, record=[]): model(batch)`` -- a Tracer that records
   nothing (it registers no hooks at all: ``hooks`` says how many).
-* ``noop_hooks``          ``model(batch)`` with a forward hook that returns None on every hook point
-  (registered and removed outside the timed region): hooks present but not recording.
+* ``noop_hooks``          ``model(batch)`` with a forward hook that returns None on every hook point but
+  the MTP module's (registered and removed outside the timed region): hooks present but not
+  recording (a hook on ``mtp.0.logits`` would run the MTP module).
 * ``tracer_default``      ``with Tracer(model): model(batch)``: the default sites recorded to CPU.
 * ``trace_default``       ``trace_tokens(model, ids)``: what ``python -m tracing run`` does (Tracer,
   logit lens, the Trace object).
 * ``trace_all``           ``trace_tokens(model, ids, record="all")``.
-* ``trace_default_minus_logit_lens``  the default sites without ``layers.*.logit_lens.*``: a diagnostic
-  that shows what the logit lens (final norm + head on every block's output) adds to the default.
+* ``trace_default_no_mtp``  the default sites without ``mtp.*``: what the default costs without the
+  MTP module's draft (a model without one records the same).
+* ``trace_default_no_next``  the default sites without ``mtp.*`` and ``next.*``: a diagnostic, what
+  the head at every position (``next.*``: logits, log-softmax, entropy) adds.
+
+With ``--old-tree DIR`` (a checkout of the tree before a change, e.g. ``git worktree add DIR HEAD``),
+its ``tracing`` package is imported beside this one as ``tracing_old`` (the same ``model``) and
+``old_tracer_default``, ``old_trace_default`` and ``old_trace_default_no_mtp`` are timed in the
+same rounds: before and after in one run.
 
 Targets (issue 3): trace_default within 1.15x of untraced; hooks present but not recording
 (noop_hooks) within 1.02x; ``tracing.tables.export`` of all tables of the trace under 2 s (timed
@@ -33,6 +46,8 @@ If the checkpoint cannot be opened, a synthetic model of the demo's architecture
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -114,8 +129,23 @@ def open_model(checkpoint: str, dtype: torch.dtype, n_tokens: int) -> tuple[torc
     return model, ids, info
 
 
+def _ratios(times: list[float], base: list[float]) -> list[float]:
+    return [t / u for t, u in zip(times, base, strict=True)]
+
+
 def noop_hook(module, inputs, output):
     return None
+
+
+def old_tracing(tree: Path):
+    """The tracing package of another checkout, imported as ``tracing_old`` (the model is this tree's)."""
+    spec = importlib.util.spec_from_file_location(
+        "tracing_old", tree / "tracing" / "__init__.py", submodule_search_locations=[str(tree / "tracing")]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["tracing_old"] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module("tracing_old.tracer").Tracer, importlib.import_module("tracing_old.runner").trace_tokens
 
 
 def main() -> None:
@@ -127,6 +157,7 @@ def main() -> None:
     parser.add_argument("--export-reps", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=180.0, help="stop adding rounds after this many seconds")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS}: this machine's cores)")
+    parser.add_argument("--old-tree", type=Path, help="also time the tracing package of this checkout (the tree before a change)")
     opts = parser.parse_args()
 
     torch.set_num_threads(opts.threads)
@@ -136,12 +167,19 @@ def main() -> None:
     model, ids, info = open_model(opts.checkpoint, dtype, opts.tokens)
     log(f"model: {info['model']}")
     batch = torch.tensor([ids], dtype=torch.long)
-    points = hook_points(model)
+    points = {name: p for name, p in hook_points(model).items() if not name.startswith("mtp.")}
     no_lens = [p for p in DEFAULT_PATTERNS if ".logit_lens." not in p]
+    no_mtp = [p for p in DEFAULT_PATTERNS if not p.startswith("mtp.")]
+    no_next = [p for p in no_mtp if not p.startswith("next.")]
+    drafts = bool(model.mtp)
 
     def untraced():
         with torch.inference_mode():
             model(batch)
+
+    def untraced_mtp():
+        with torch.inference_mode():
+            model(batch, mtp=drafts)
 
     def tracer_empty():
         with torch.inference_mode(), Tracer(model, []) as tracer:
@@ -162,25 +200,46 @@ def main() -> None:
     def trace_default_minus_logit_lens():  # diagnostic: what the default costs without the logit lens
         return trace_tokens(model, ids, record=no_lens)
 
+    def trace_default_no_mtp():
+        return trace_tokens(model, ids, record=no_mtp)
+
+    def trace_default_no_next():
+        return trace_tokens(model, ids, record=no_next)
+
     variants = {
         "untraced": untraced,
+        "untraced_mtp": untraced_mtp,
         "tracer_empty": tracer_empty,
         "noop_hooks": untraced,  # the same call, timed while no-op hooks sit on every hook point
         "tracer_default": tracer_default,
         "trace_default": trace_default,
         "trace_all": trace_all,
         "trace_default_minus_logit_lens": trace_default_minus_logit_lens,
+        "trace_default_no_mtp": trace_default_no_mtp,
+        "trace_default_no_next": trace_default_no_next,
     }
+    if opts.old_tree:
+        OldTracer, old_trace_tokens = old_tracing(opts.old_tree)
+
+        def old_tracer_default():
+            with torch.inference_mode(), OldTracer(model):
+                model(batch)
+
+        variants["old_tracer_default"] = old_tracer_default
+        variants["old_trace_default"] = lambda: old_trace_tokens(model, ids)
+        variants["old_trace_default_no_mtp"] = lambda: old_trace_tokens(model, ids, record=no_mtp)
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu_times: dict[str, list[float]] = {n: [] for n in names}  # this process's CPU time: less of the others' load
     handles: list = []
 
     def run(name: str) -> float:
         if name == "noop_hooks":
             handles.extend(p.register_forward_hook(noop_hook) for p in points.values())
         try:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             variants[name]()
+            cpu_times[name].append(time.process_time() - cpu)
             return time.perf_counter() - start
         finally:
             for h in handles:
@@ -210,7 +269,11 @@ def main() -> None:
             "ratio_of_medians": round(med / statistics.median(times["untraced"]), 4),
             "min_ms": round(min(times[name]) * 1e3, 2),
             "ratio_best_of": round(min(times[name]) / min(times["untraced"]), 4),
+            "cpu_ratio": round(statistics.median(_ratios(cpu_times[name][-rounds:], cpu_times["untraced"][-rounds:])), 4),
         }
+        if name.startswith(("trace", "old_")) and name != "tracer_empty" and drafts:
+            vs_mtp = [t / u for t, u in zip(times[name], times["untraced_mtp"], strict=True)]
+            results[name]["vs_mtp"] = round(statistics.median(vs_mtp), 4)
     results["tracer_empty"]["hooks"] = tracer_empty.hooks
     results["noop_hooks"]["hooks"] = len(points)
     results["tracer_default"]["hooks"] = tracer_default.hooks
@@ -257,13 +320,15 @@ def main() -> None:
             "load averages), OMP_WAIT_POLICY PASSIVE unless set (environment.omp_env): absolute times are noisy; "
             "variants are interleaved round by round (rotated order) and "
             "compared to the same round's untraced forward: ratio = median over rounds of variant / untraced; "
-            "ratio_best_of = fastest variant round / fastest untraced round (least disturbed by the background load)"
+            "ratio_best_of = fastest variant round / fastest untraced round (least disturbed by the background load); "
+            "cpu_ratio = the same median over this process's CPU time (time.process_time) rather than wall time"
         ),
         "model": info,
         "dtype": opts.dtype,
         "tokens": len(ids),
         "rounds": rounds,
         "hook_points": len(points),
+        "old_tree": str(opts.old_tree) if opts.old_tree else None,
         "results": results,
         "targets": {
             "trace_default_within_1.15x": within("trace_default", 1.15),
