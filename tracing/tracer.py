@@ -254,11 +254,19 @@ class Tracer:
         if self._next:
             self._next_token(module, normed, output)
         for i in self._lens:
-            probs = type(module).forward(module, self._seen.pop(f"lens.{i}")[0].float()).softmax(dim=-1)  # (T, V)
+            probs = (
+                type(module).forward(module, self._head_input(self._seen.pop(f"lens.{i}")[0])).float().softmax(dim=-1)
+            )  # (T, V)
             top = probs.topk(LOGIT_LENS_TOPK, dim=-1)
             for site, value in (("topk_indices", top.indices), ("topk_probs", top.values.float())):
                 if (name := site_name(i, f"logit_lens.{site}")) in self.sites:
                     self.values[name] = value.cpu()
+
+    def _head_input(self, normed: torch.Tensor) -> torch.Tensor:
+        """What the model's own head reads: float32 states, or in a model of DeepSeek-V3's layout the
+        activation dtype's (its head is a bfloat16 product), so every position's logits are formed as
+        the last one's."""
+        return normed if getattr(self.model, "v3", False) else normed.float()
 
     def _next_token(self, head, normed: torch.Tensor, output: torch.Tensor) -> None:
         """next.*: every position's next-token distribution. The last position's logits are the
@@ -267,7 +275,7 @@ class Tracer:
         if output.dim() == 3:  # the model formed every position's logits (all_logits)
             logits = output[0].float()  # (T, V)
         else:
-            rest = type(head).forward(head, normed[0, :-1].float())  # (T - 1, V)
+            rest = type(head).forward(head, self._head_input(normed[0, :-1])).float()  # (T - 1, V)
             logits = torch.cat([rest, output.float()], dim=0)  # (T, V)
         asked = {name.removeprefix("next.") for name in self._next}  # only what was asked for is formed
         lse = logits.logsumexp(dim=-1, keepdim=True)  # (T, 1): once, for the log-probabilities and the top-k's

@@ -60,6 +60,17 @@ def test_run_and_its_modes_record_no_indexer_site(capsys, v3_checkpoint, tmp_pat
         trace.tables()  # every table builds without the indexer's sites
 
 
+def test_every_positions_next_token_is_formed_as_the_models_own_head_forms_it(capsys, v3_checkpoint, tmp_path):
+    """V3's head is a bfloat16 product: next.* at the earlier positions (the tracer's head call) equal
+    the distribution of the logits the model itself forms at every position (logits.all)."""
+    from tracing.sites import next_topk
+
+    own = traced(capsys, v3_checkpoint, tmp_path / "all.safetensors", "--record", "logits.all")
+    trace = traced(capsys, v3_checkpoint, tmp_path / "n.safetensors", "--record", "next.topk_indices,next.topk_probs")
+    indices, probs = next_topk(own["logits.all"].float())  # (T, V): the model's head at every position
+    assert torch.equal(trace["next.topk_indices"], indices) and torch.equal(trace["next.topk_probs"], probs)
+
+
 def test_attribution_reads_every_causal_key(capsys, v3_checkpoint, tmp_path):
     trace = traced(capsys, v3_checkpoint, tmp_path / "a.safetensors", "--attribute", "--record", "default,flow")
     no_indexer(trace)
