@@ -109,9 +109,7 @@ class ModelArgs:
             problems.append(f"dtype must be fp8 or bf16, not {self.dtype!r}")
         if self.scale_fmt not in (None, "ue8m0"):
             problems.append(f"scale_fmt must be ue8m0 or absent, not {self.scale_fmt!r}")
-        for name in _POSITIVE:
-            if name in INDEX_KEYS and not self.indexer:
-                continue
+        for name in _POSITIVE:  # without the indexer its keys hold their (positive) defaults
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
         if self.bos_token_id is not None and self.bos_token_id < 0:
