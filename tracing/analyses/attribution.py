@@ -152,11 +152,8 @@ class Attributor:
         With the sources: what each head summed over its keys, and wo's weight as stored (the target,
         and so the direction they are read along, is known only at the head)."""
         heads = self.model.layers[layer].attn.n_heads
-        x = inputs[0][0, self._row]  # (H Dv,)
-        if module.scale is not None and isinstance(read := module.rounded(x[None]), fp8.Rounded):
-            x = read.values()[0]  # what wo multiplies (x itself where activations are not rounded)
         columns = wo_columns(module.weight, module.scale, heads)  # (D, H, Dv): this rank's heads under tensor parallelism
-        vectors = kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
+        vectors = _head_updates(module, columns, inputs[0][0, self._row])  # (H, D)
         self._rows[f"{layer}.heads"] = self._ranks.heads(vectors, layer)  # every head's
         if f"{layer}.scores" in self._rows:
             dropped = self._dropped_update(self._rows.pop(f"{layer}.scores"), module, inputs[0].dtype, columns)
@@ -177,13 +174,10 @@ class Attributor:
         dense = scores.masked_fill(future, float("-inf")).softmax(dim=-1).float()  # (H, S)
         dense = torch.where(sparse.any(dim=-1, keepdim=True), dense, torch.zeros_like(dense))
         values = self._reads.values()  # (S, H, Dv)
-        heads = columns.shape[1]
 
         def update(p: torch.Tensor) -> torch.Tensor:
             x = kernels.einsum("hs,shv->hv", p, values).to(dtype).flatten()  # (H Dv,): what wo would read
-            if wo.scale is not None and isinstance(read := wo.rounded(x[None]), fp8.Rounded):
-                x = read.values()[0]  # rounded as the model's own input is (not where activations are not)
-            return kernels.einsum("dhv,hv->hd", columns, x.float().view(heads, -1))  # (H, D)
+            return _head_updates(wo, columns, x)  # (H, D)
 
         return update(dense) - update(sparse)
 
@@ -262,6 +256,14 @@ def removable(trace) -> list[tuple[float, str, int, int]]:
 def _is_part(name: str) -> bool:
     """The sites whose values sum, with the rest, to the total (not the sources, a split of the heads)."""
     return name == "attribution.embed" or name.endswith((".attn.attribution", ".ffn.attribution"))
+
+
+def _head_updates(wo, columns: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(H, D): each head's slice of wo's input ``x`` (H Dv,), rounded as wo multiplies it (x itself
+    where activations are not rounded), through its ``columns`` (D, H, Dv), in float32."""
+    if wo.scale is not None and isinstance(read := wo.rounded(x[None]), fp8.Rounded):
+        x = read.values()[0]
+    return kernels.einsum("dhv,hv->hd", columns, x.float().view(columns.shape[1], -1))
 
 
 def _sources(kept: tuple, u: torch.Tensor) -> torch.Tensor:
