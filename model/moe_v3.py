@@ -67,7 +67,7 @@ class MoEV3(MoE):
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
         scale = weights.flatten()[order[by_token]].view(n, k, 1)  # (N, k, 1) in x's dtype
         slots = (kernels.gather(out, by_token).view(n, k, self.dim) * scale).float()  # (N, k, D), bfloat16 products widened
-        return self.add_rounded(self.expert_out(self.gather_slots(slots)).to(x.dtype), x.dtype)  # (N, D)
+        return self.add_rounded(self.expert_out(self.gather_slots(slots)).to(x.dtype))  # (N, D)
 
     def run_experts(self, x, tokens: torch.Tensor, counts: list[int], dtype: torch.dtype) -> torch.Tensor:
         """Each expert's output for its rows, sorted by expert (the CPU backend's expert route forms
@@ -80,8 +80,8 @@ class MoEV3(MoE):
                 out[span] = self.experts[j](rows[span])
         return out
 
-    def add_rounded(self, contrib: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The k slots (N, k, D) added in order into zeros in ``dtype``, widened to float32 at the end."""
+    def add_rounded(self, contrib: torch.Tensor) -> torch.Tensor:
+        """The k slots (N, k, D) added in order into zeros in their dtype, widened to float32 at the end."""
         y = torch.zeros_like(contrib[:, 0])
         for j in range(contrib.shape[1]):
             y += contrib[:, j]
