@@ -226,21 +226,28 @@ def experts(atlas: Atlas, search: str = "") -> pd.DataFrame:
     return frame.drop(columns=["top_tokens", "top_token_ids"]).assign(most_specific_tokens=shown).reset_index(drop=True)
 
 
-def token_search(atlas: Atlas, text: str) -> tuple[int | None, pd.DataFrame | None, str]:
-    """The token ``text`` names (its text as tokenised, or its id): its id, per block the experts that
-    took it, and a line that says what was found or why nothing was."""
+def token_search(atlas: Atlas, text: str) -> tuple[int | None, str | None, pd.DataFrame | None, str]:
+    """The token ``text`` names (its text as tokenised, or its id): its id, its text as a figure shows
+    it (show_token), per block the experts that took it, and a line that says what was found or why
+    nothing was."""
     if "token_experts" not in atlas.tables:
-        return None, None, "This atlas has no token_experts table (an earlier version): `--resume` on its run writes it."
+        return None, None, None, "This atlas has no token_experts table (an earlier version): `--resume` on its run writes it."
     token = find_token(atlas.tables, text)
     if token is None:
         spaced = "" if text.startswith(" ") or find_token(atlas.tables, " " + text) is None else f"; {' ' + text!r} is"
         min_count = atlas.summary.get("settings", {}).get("min_count", "--min-count")
         typed = repr(text) if len(text) <= 60 else f"{text[:60]!r}… ({len(text):,} characters)"  # echoed, not pasted back whole
-        return None, None, f"{typed} is not in the atlas: no token of that text or id seen at least {min_count} times{spaced}"
+        return (
+            None,
+            None,
+            None,
+            f"{typed} is not in the atlas: no token of that text or id seen at least {min_count} times{spaced}",
+        )
     routes = token_routes(atlas.tables, token)
     occurrences = int(routes["occurrences"].iloc[0])
-    name = show_token(str(routes["token"].iloc[0]), html_escape=False)
-    return token, routes.drop(columns=["token_id", "token", "occurrences"]), f"{name} (id {token}): seen {occurrences:,} times"
+    written = str(routes["token"].iloc[0])
+    line = f"{show_token(written, html_escape=False)} (id {token}): seen {occurrences:,} times"
+    return token, show_token(written), routes.drop(columns=["token_id", "token", "occurrences"]), line
 
 
 def token_figure(routes: pd.DataFrame, label: str, n_experts: int) -> go.Figure:

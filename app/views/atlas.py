@@ -178,13 +178,12 @@ def _token_search(atlas: Atlas) -> None:
     if not text:
         st.caption("Type a token, or its id, to see which experts take it in each block.")
         return
-    token, routes, line = topic.token_search(atlas, text)
+    token, label, routes, line = topic.token_search(atlas, text)
     if routes is None:
         st.info(widgets.escape_md(line), icon=":material/search_off:")
         return
     st.markdown(widgets.escape_md(line))
     n = int(atlas.summary.get("n_routed_experts") or routes["expert"].max() + 1)
-    label = topic.show_token(str(atlas.tables["token_experts"].query("token_id == @token")["token"].iloc[0]))
     widgets.chart(topic.token_figure(routes, label, n), key="atlas_token_figure")
     st.caption(
         "Per block, the experts that took the token: `count` of its occurrences that chose the expert, `share` of its "
