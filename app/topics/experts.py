@@ -12,7 +12,6 @@ from tracing.trace import Trace
 from .arrays import site
 from .figures import (
     COLORS,
-    FIRST_LEFT_OUT,
     TICK_LIMIT,
     figure,
     heatmap,
@@ -138,10 +137,9 @@ def routed_shared_figure(df: pd.DataFrame, block: int, skip_first: bool = False)
         ("bar", "routed experts", "|routed experts|", COLORS["moe"]),
         ("bar", "shared expert", "|shared expert|", COLORS["dense"]),
     ]
-    title = f"Block {block}: routed vs shared expert output size" + (FIRST_LEFT_OUT if skip_first else "")
-    shown = df.iloc[1:] if skip_first else df
+    title = f"Block {block}: routed vs shared expert output size"
     yaxis = {"title": {"text": "L2 norm of the output"}}
-    return position_figure(shown, series, title, yaxis, robust="L2 norm", height=320, barmode="group")
+    return position_figure(df, series, title, yaxis, robust="L2 norm", skip_first=skip_first, height=320, barmode="group")
 
 
 def expert_load_figure(layers: list[int], counts: np.ndarray, weights: np.ndarray | None, n_tokens: int) -> go.Figure:

@@ -148,13 +148,25 @@ def rows_figure(
     return figure(traces, title, height=heat_height(len(rows), lo=lo, per=per), yaxis=yaxis, xaxis=xaxis, **layout)
 
 
+FIRST_LEFT_OUT = "; position 0 left out"  # a title's word on a figure without the first position
+
+
 def position_figure(
-    df: pd.DataFrame, series: list[tuple], title: str, yaxis: dict, robust: str | None = None, **layout: Any
+    df: pd.DataFrame,
+    series: list[tuple],
+    title: str,
+    yaxis: dict,
+    robust: str | None = None,
+    skip_first: bool = False,
+    **layout: Any,
 ) -> go.Figure:
     """Values per position of a frame with ``position`` and ``token`` columns, one trace per series:
     (``"bar"`` or ``"line"``, column, name, colour[, hover number format]). ``robust``: the measure's
     name, to draw it on :func:`robust_range` (the y axis stops above the bulk, the positions beyond
-    it marked ▲ with their value and named in the title)."""
+    it marked ▲ with their value and named in the title). ``skip_first``: position 0 left out (the
+    title says so)."""
+    if skip_first:
+        df, title = df.iloc[1:], title + FIRST_LEFT_OUT
     names = [f"{p} {t}" for p, t in zip(df["position"], df["token"], strict=True)]
     marks = None
     if robust is not None and len(df):
@@ -308,9 +320,6 @@ def without_first(z) -> np.ndarray:
     z = np.array(z, dtype=np.float64)
     z[..., 0] = np.nan
     return z
-
-
-FIRST_LEFT_OUT = "; position 0 left out"
 
 
 def cells_note(n_positions: int, written: str) -> str:

@@ -136,16 +136,15 @@ def block_updates_figure(df: pd.DataFrame, block: int, skip_first: bool = False)
         ("bar", "FFN update", "|FFN update|", COLORS["ffn"]),
         ("line", "stream", "|x_n| (stream in)", COLORS["stream"]),
     ]
-    title = f"Block {block}: update sizes per position" + (FIRST_LEFT_OUT if skip_first else "")
-    shown = df.iloc[1:] if skip_first else df
-    return position_figure(shown, series, title, {"title": {"text": "L2 norm"}}, robust="L2 norm", barmode="group")
+    title = f"Block {block}: update sizes per position"
+    yaxis = {"title": {"text": "L2 norm"}}
+    return position_figure(df, series, title, yaxis, robust="L2 norm", skip_first=skip_first, barmode="group")
 
 
 def mlp_update_figure(df: pd.DataFrame, block: int, skip_first: bool = False) -> go.Figure:
     series = [("bar", "FFN update", "|MLP update|", COLORS["dense"]), ("line", "stream", "|x_n| (stream in)", COLORS["stream"])]
-    title = f"Block {block}: size of the dense MLP's update per position" + (FIRST_LEFT_OUT if skip_first else "")
-    shown = df.iloc[1:] if skip_first else df
-    return position_figure(shown, series, title, {"title": {"text": "L2 norm"}}, robust="L2 norm")
+    title = f"Block {block}: size of the dense MLP's update per position"
+    return position_figure(df, series, title, {"title": {"text": "L2 norm"}}, robust="L2 norm", skip_first=skip_first)
 
 
 def norm_rms_figure(df: pd.DataFrame, block: int) -> go.Figure:
