@@ -32,6 +32,7 @@ or, to call the model yourself (several calls, hooks of your own):
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -51,6 +52,8 @@ from .kernels import use_once
 from .moe import MoE
 from .names import STORED_BF16, from_hf, to_hf
 from .transformer import Transformer
+
+_FORWARD = inspect.signature(Transformer.forward)  # the model's call, to read its ``mtp`` argument
 
 if TYPE_CHECKING:
     from .parallel import Part
@@ -436,7 +439,7 @@ class Streamer:
     # hooks -------------------------------------------------------------------------------------
     def _pass_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each forward: whether it will run the MTP module (asked for, or its sites observed)."""
-        asked = kwargs.get("mtp", args[4] if len(args) > 4 else False)
+        asked = _FORWARD.bind(module, *args, **kwargs).arguments.get("mtp", False)  # by name, however it was passed
         self._drafting = bool(asked) or self.model.mtp[0].logits.observed
 
     def _pre_hook(self, k: int) -> Callable[..., None]:
