@@ -304,11 +304,6 @@ def margins_figure(frame: pd.DataFrame, labels: list[str], block: int, near: flo
 
 
 # --- where an atlas's expert fires in this prompt -----------------------------------------------------------
-def busiest_expert(r: Routing) -> int:
-    """The expert most tokens of the prompt chose in this block (ties: the lower number)."""
-    return int(np.argmax(r.selected.sum(axis=0)))
-
-
 def marked_tokens(tokens: list[str], marked: np.ndarray, weight: np.ndarray) -> str:
     """The prompt with the tokens routed to one expert on a coloured background (hover: position and
     gate weight), the others in grey. HTML, every token escaped."""

@@ -60,7 +60,7 @@ def _atlas_expert(view: View, r: router.Routing) -> None:
     expert = st.selectbox(
         "Expert",
         range(len(load)),
-        index=router.busiest_expert(r),
+        index=int(load.argmax()),  # the busiest expert (ties: the lower number)
         key=f"router_atlas_expert_{r.block}",
         format_func=lambda e: f"expert {e} ({load[e]} of {view.n_tokens} tokens here)",
     )
