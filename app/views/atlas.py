@@ -189,7 +189,7 @@ def _token_search(atlas: Atlas) -> None:
         "Per block, the experts that took the token: `count` of its occurrences that chose the expert, `share` of its "
         "routings in the block (count / (occurrences x k)), `specificity` as in One expert."
     )
-    st.dataframe(routes, hide_index=True, width="stretch")
+    widgets.table(st, routes, f"token-{token}-experts")
     widgets.csv_button(st, routes, f"token-{token}-experts.csv", key="atlas_csv_token")
 
 

@@ -115,7 +115,7 @@ def _sinks(view: View) -> None:
     )
     build = lambda: attention.sinks_figure(blocks, share, tokens.labels(view), k)  # noqa: E731
     widgets.memo_chart(view, "attention_sinks", build)
-    st.dataframe(frame, hide_index=True, width="stretch")
+    widgets.table(st, frame, "prompt-sinks")
     widgets.csv_button(st, frame, "prompt-sinks.csv", key="attention_sinks_csv")
 
 

@@ -77,7 +77,7 @@ def _atlas_expert(view: View, r: router.Routing) -> None:
         f"{found.summary.get('tokens', 0):,} tokens): chosen for {card['count']:,} tokens, {card['share'] * 100:.2f}% "
         f"of the block's selections, mean gate weight {card['mean_weight']:.3f}. Its most specific tokens:"
     )
-    right.dataframe(card["tokens"].head(10), hide_index=True, width="stretch")
+    widgets.table(right, card["tokens"].head(10), f"atlas-expert-{expert}-tokens")
 
 
 def _margins(view: View, block: int) -> None:
