@@ -116,19 +116,29 @@ def memo_figure(iv: Entry, base: Entry, name: str, build):
     return iv.memo(("figure", "interventions", name, base.key), build)
 
 
+def token_text(tables: dict, token_id: int) -> str:
+    """A token of the diff's next_token table as a metric shows it: visible, markdown escaped."""
+    frame = tables.get("next_token")
+    names = dict(zip(frame["token_id"], frame["token"], strict=True)) if frame is not None else {}
+    return widgets.escape_md(tokens.show_token(str(names.get(token_id, f"<{token_id}>")), html_escape=False))
+
+
+def next_token_metric(where, info: dict, tables: dict) -> None:
+    """The top next token of run a and of run b (the diff's summary), as text."""
+    if "next_token_a" not in info:
+        return
+    before, after = token_text(tables, info["next_token_a"]), token_text(tables, info["next_token_b"])
+    where.metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
+
+
 def summary_metrics(info: dict, tables: dict, n_layers: int, move: interventions.LogitMove | None) -> None:
     """Two rows: how the prediction after the last position moved (the causal check reads it), then where."""
     cols = st.columns(3)
-    frame = tables.get("next_token")
-    names = dict(zip(frame["token_id"], frame["token"], strict=True)) if frame is not None else {}
-    shown = lambda i: widgets.escape_md(tokens.show_token(str(names.get(i, f"<{i}>")), html_escape=False))  # noqa: E731
-    if "next_token_a" in info:
-        before, after = shown(info["next_token_a"]), shown(info["next_token_b"])
-        cols[0].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
+    next_token_metric(cols[0], info, tables)
     if move is not None:
         rank = "still the top prediction" if move.rank_after == 0 else f"now ranked {move.rank_after + 1}"
         cols[1].metric(
-            f"Logit of {shown(move.token_id)}",
+            f"Logit of {token_text(tables, move.token_id)}",
             f"{move.after:.3f}",
             f"{move.after - move.before:+.3f}",
             help=f"The baseline's top next token after the last position: logit {move.before:.4f} in the baseline, "

@@ -21,7 +21,7 @@ from app.core.errors import BAD_INPUT
 from app.core.models import AppModel, open_model
 from app.core.session import current, session_model
 from app.core.traces import Entry, request_for, store, trace_prompt
-from app.topics import experts, interventions, tokens
+from app.topics import experts, interventions
 from app.topics.export import ZIP, zip_bytes
 from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, TABLES, ZERO, PerBlock, listing, moe_block_ids
 from tracing.analyses.diff import check_shapes, check_tokenizers, diff_tables, summary
@@ -231,11 +231,8 @@ def show_pair(a: Entry, b: Entry, tables: dict) -> None:
         "Top-1 agreement", "—" if agree is None else f"{agree:.0%}", help="Positions where both predict the same token"
     )
     cols[2].metric("First block that differs", "none" if first is None else f"block {first}")
-    frame = tables.get("next_token")
-    if frame is not None and "next_token_a" in info:
-        shown = dict(zip(frame["token_id"], frame["token"], strict=True))
-        before, after = (tokens.show_token(str(shown.get(i, f"<{i}>"))) for i in (info["next_token_a"], info["next_token_b"]))
-        cols[3].metric("Top next token", f"{before} → {after}" if before != after else f"{before} (same)")
+    if tables.get("next_token") is not None:
+        comparison.next_token_metric(cols[3], info, tables)
     blocks = tables.get("blocks")
     if blocks is not None:
         fig = b.memo(("figure", "checkpoint_blocks", a.key), lambda: interventions.checkpoint_blocks_figure(blocks, names))
