@@ -5,11 +5,14 @@ Shapes: M rows of activations, K input features, N output features, 128-wide blo
 The reference's tilelang kernels (``act_quant``, ``fp8_gemm``, ``fp8_index``) are GPU-only; these are
 plain PyTorch functions with the same rounding: activation scales are ``amax / 448`` (amax clamped
 below at 1e-4), or the next power of two when ``scale_fmt`` is ``ue8m0``; values are divided by their
-block's scale, clamped to +-448 and rounded to e4m3. A block-scaled product multiplies each 128-wide
-partial dot product by both scales, accumulating in float32. When every scale is a power of two
-(``ue8m0`` activations and power-of-two weight scales) the operands are dequantised first, which is
-exact, and multiplied in the activations' dtype (accumulating in float32, rounded once). Otherwise
-the blocks are scaled and summed in the kernel's order.
+block's scale, clamped to +-448 and rounded to e4m3. A block-scaled product forms each 128-wide
+partial dot product of the codes in float32, multiplies it by both scales and adds it to a float32
+sum, block after block, as the reference's ``fp8_gemm`` kernel does, whatever the scales.
+
+Summing the whole K at once instead is faster but groups the float32 sum otherwise: even with
+power-of-two scales, where dequantising first is exact, about 1 in 4,000 bfloat16 outputs moves
+by one unit, and the next FP8 rounding of the activations amplifies it into other selections at
+the real width. That grouping is taken only inside :func:`inexact_sums`.
 
 The CPU backend (model.kernels) has faster routes to the same values; the model reaches these
 functions through it.
@@ -142,13 +145,32 @@ def weight_quant(weight: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple
 
 def is_pow2(scale: torch.Tensor) -> bool:
     """Every scale a power of two: FP8 codes times them are exact in float32 and in bfloat16
-    (4 significant bits), so dequantising before the product rounds nothing."""
+    (4 significant bits), so a dequantised weight rounds nothing."""
     return bool(torch.all(_pow2_ceil(scale.float().abs()) == scale))
 
 
-def dequantise_first_is_exact(scale: torch.Tensor, scale_fmt: str | None) -> bool:
-    """fp8_gemm's ``fast``: activation scales are powers of two (``ue8m0``) and so are the weight's."""
-    return bool(scale_fmt) and is_pow2(scale)
+# True inside inexact_sums: per thread (and per context), as _ROUND_ACTIVATIONS
+_WHOLE_K: contextvars.ContextVar[bool] = contextvars.ContextVar("inexact_sums", default=False)
+INEXACT_SUMS = "whole K in the activations' dtype, not the kernel's per-block float32 order"
+
+
+def sums_inexactly() -> bool:
+    """Whether FP8 products sum the whole K at once (:func:`inexact_sums`)."""
+    return _WHOLE_K.get()
+
+
+@contextlib.contextmanager
+def inexact_sums():
+    """FP8 products in this context dequantise both operands and multiply them over the whole K in
+    the activations' dtype (one float32 sum, rounded once): faster, and what a plain
+    ``F.linear`` of the dequantised weight gives, but not the kernel's grouping of the sum, so
+    outputs move by a bfloat16 unit here and there and selections downstream can change. Traces
+    made inside it say so (``fp8_sums`` in their metadata)."""
+    token = _WHOLE_K.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_K.reset(token)
 
 
 @dataclass(frozen=True)
@@ -201,19 +223,16 @@ def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
 
 def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
     """act_quant(x) times the block-scaled FP8 ``weight``, transposed, in x's dtype: the reference's
-    ``fp8_gemm``. ``x`` may come rounded already (:class:`Rounded`, shared by several products).
-
-    Where every scale is a power of two (``ue8m0`` activations and such weight scales) both
-    operands are exact in bfloat16: they are dequantised and multiplied in the activations' dtype,
-    accumulating in float32 and rounding once, as the kernel's output. Otherwise each 128-wide
-    block's partial product is scaled and summed in the kernel's order (:func:`blockwise`)."""
+    ``fp8_gemm``, each 128-wide block's partial product scaled and summed in the kernel's order
+    (:func:`blockwise`). ``x`` may come rounded already (:class:`Rounded`, shared by several
+    products). Inside :func:`inexact_sums` the dequantised operands are multiplied over the whole K."""
     r = x if isinstance(x, Rounded) else Rounded.of(x, scale_fmt)
     *lead, k = r.codes.shape
-    if not dequantise_first_is_exact(scale, scale_fmt):
-        y = blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), weight.float(), scale)
-        return y.to(r.dtype).reshape(*lead, -1)
-    form = r.dtype if r.dtype in (torch.bfloat16, torch.float32) else torch.float32
-    return F.linear(r.values(form), weight_dequant(weight, scale, form)).to(r.dtype)
+    if sums_inexactly():
+        form = r.dtype if r.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        return F.linear(r.values(form), weight_dequant(weight, scale, form)).to(r.dtype)
+    y = blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), weight.float(), scale)
+    return y.to(r.dtype).reshape(*lead, -1)
 
 
 def blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from model import kernels
+from model import fp8, kernels
 from model.config import ModelArgs
 from model.transformer import Transformer
 
@@ -439,6 +439,8 @@ def trace_tokens(
             info["generation"]["mtp_acceptance"] = acceptance(ids, values["mtp.topk_indices"], n_prompt)
     if (said := mtp_note(model)) is not None:
         info["mtp"] = said
+    if fp8.sums_inexactly():
+        info["fp8_sums"] = fp8.INEXACT_SUMS
     if (bad := first_nonfinite(values, model.args, len(ids), intervention_masks(interventions))) is not None:
         info["nonfinite"] = bad.as_dict()
     if patches:

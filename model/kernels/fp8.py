@@ -84,9 +84,10 @@ def _weight_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (to_float(weight) * fp8.expand_scale(scale.float(), weight.shape)).to(dtype)
 
 
-def dequantise_first(scale: torch.Tensor, scale_fmt: str | None) -> bool:
-    """fp8.dequantise_first_is_exact of these scales, worked out once per scale tensor."""
-    return weights.kept(scale, ("exact", scale_fmt), lambda: fp8.dequantise_first_is_exact(scale, scale_fmt))
+def exactly_dequantised(scale: torch.Tensor) -> bool:
+    """fp8.is_pow2 of a weight's scales, worked out once per scale tensor (a CPU weight's: no
+    device synchronisation)."""
+    return weights.kept(scale, ("pow2",), lambda: fp8.is_pow2(scale))
 
 
 def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,18 +104,23 @@ def packed(weight: torch.Tensor, copy: torch.Tensor, key) -> torch.Tensor | None
 
 
 def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
-    """model.fp8.fp8_gemm: where dequantising first is exact, the activations' values times the
-    weight dequantised once in the CPU's product dtype (and laid out for oneDNN); otherwise the
-    kernel's block order over the FP8 codes, decoded once."""
+    """model.fp8.fp8_gemm: the kernel's block order over the FP8 codes, the weight's decoded once
+    and kept; inside model.fp8.inexact_sums, the activations' values times the weight dequantised
+    once in the CPU's product dtype (and laid out for oneDNN)."""
     r = x if isinstance(x, Rounded) else Rounded.of(x, scale_fmt)
     *lead, k = r.codes.shape
-    if not dequantise_first(scale, scale_fmt):
-        codes = weights.kept(weight, ("codes",), lambda: to_float(weight))  # (N, K) float32
-        y = blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), codes, scale)
+    if not fp8.sums_inexactly():
+        y = blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), float_codes(weight), scale)
         return y.to(r.dtype).reshape(*lead, -1)
     compute = products.product_dtype(r.dtype)
     w = dequantized(weight, scale, compute)
     return products.linear(values(r, compute), w, packed(weight, w, compute)).to(r.dtype)  # values on the FP8 grid
+
+
+def float_codes(weight: torch.Tensor) -> torch.Tensor:
+    """The FP8 weight's codes as float32 values (N, K), kept with the weight: what the blockwise
+    products multiply."""
+    return weights.kept(weight, ("codes",), lambda: to_float(weight))
 
 
 def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -122,7 +128,7 @@ def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
     product dtype. With power-of-two weight scales that dequantised weight is exact, so the normal
     products' copy serves (the same values widened)."""
     compute = products.product_dtype(x.dtype)
-    if weights.kept(scale, ("pow2",), lambda: fp8.is_pow2(scale)):
+    if exactly_dequantised(scale):
         w = dequantized(weight, scale, compute)
     else:  # rounded to x's dtype first, as the reference's weight_dequant; widening it is exact
         w = dequantized(weight, scale, x.dtype)

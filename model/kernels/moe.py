@@ -37,8 +37,9 @@ def experts(modules, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, counts
     """Expert j's output for each of its rows, the rows sorted by expert (``tokens`` the token of
     each, ``counts`` how many each expert has): (N k, D) in ``dtype``. None where the experts' own
     modules must run: an expert held by another rank, weights not kept (streamed, on a GPU,
-    trained), float32 weights (their copies would be the weights again), or FP8 scales that need the
-    kernel's block order."""
+    trained), float32 weights (their copies would be the weights again), or FP8 products summed in
+    the kernel's block order (each expert's product on its own rows, as the reference's loop
+    forms it: a float32 product of a few rows may sum in another order than one of many)."""
     prepared = _prepared(modules, dtype)
     if prepared is None:
         return None
@@ -87,12 +88,13 @@ def _prepared(modules, dtype: torch.dtype) -> ExpertWeights | None:
         return None
     compute = products.product_dtype(dtype)
     held = tuple(t for lin in linears for t in (lin.weight, lin.scale))
-    known = weights.get(first, ("experts", compute))
+    key = ("experts", compute, fp8.sums_inexactly())  # the copies differ only for scales that are not powers of two
+    known = weights.get(first, key)
     if known is not weights.MISSING and _same(known.held, held):
         return known
     made = _prepare(linears, compute, held)
     if made is not None:
-        weights.put(first, ("experts", compute), made)
+        weights.put(first, key, made)
     return made
 
 
@@ -105,12 +107,13 @@ def _no_ref() -> None:
 
 
 def _copy(lin, compute: torch.dtype) -> torch.Tensor | None:
-    """What one expert's product multiplies, in the product dtype; None where its FP8 product keeps the block order."""
+    """What one expert's product multiplies, in the product dtype; None where its FP8 product sums
+    in the kernel's block order (the experts' own modules run then), or where the dequantised
+    weight of an unrounded product is rounded to the activations' dtype first."""
     if lin.scale is None:
         return lin.weight.detach().to(compute)
-    if not fast_fp8.dequantise_first(lin.scale, lin.scale_fmt):
-        return None
-    return fast_fp8.weight_dequant(lin.weight, lin.scale, compute)
+    whole_k = fp8.sums_inexactly() or not fp8.rounds_activations() and fast_fp8.exactly_dequantised(lin.scale)
+    return fast_fp8.weight_dequant(lin.weight, lin.scale, compute) if whole_k else None
 
 
 def _prepare(linears: list, compute: torch.dtype, held: tuple) -> ExpertWeights | None:

@@ -59,9 +59,9 @@ def kernel_order_gemm(x, w, s, fmt):
 @pytest.mark.parametrize("fmt", [None, "ue8m0"])
 @pytest.mark.parametrize("pow2_weight_scales", [True, False])
 def test_gemm_equals_the_kernel_order(fmt, pow2_weight_scales):
-    """Bit for bit where it matters: with power-of-two scales everywhere the dequantise-first path
-    is exact; otherwise (amax / 448 activation or weight scales) the blocks are summed as the kernel
-    sums them, since rounding code x scale first moves outputs by an ulp and can flip a selection."""
+    """Bit for bit, whatever the scales: each 128-wide block's float32 partial product scaled and
+    added in order, as the kernel sums it (another grouping moves outputs by an ulp, and an ulp
+    can flip a selection downstream)."""
     torch.manual_seed(0)
     x = torch.randn(7, 384, dtype=torch.bfloat16)
     w, s = fp8.weight_quant(torch.randn(200, 384) * 0.05, "ue8m0" if pow2_weight_scales else None)
@@ -78,13 +78,26 @@ def test_gemm_equals_the_kernel_order(fmt, pow2_weight_scales):
     assert torch.equal(lin.dequantized(torch.bfloat16), fp8.weight_dequant(w, s, torch.bfloat16))
 
 
-def test_dequantise_first_is_not_the_kernel_order_for_other_scales():
-    """Why the slow path exists: float32 products of dequantised operands differ from the kernel's."""
+@pytest.mark.parametrize("fmt", [None, "ue8m0"])
+def test_whole_k_sums_are_not_the_kernel_order(fmt):
+    """Why the blocks are summed one by one: one float32 sum over the whole K of the dequantised
+    operands differs from the kernel's, even where every scale is a power of two and dequantising
+    is exact. Inside fp8.inexact_sums that is what fp8_gemm gives (and only there)."""
     torch.manual_seed(1)
     x = torch.randn(64, 1024)
-    w, s = fp8.weight_quant(torch.randn(256, 1024) * 0.05, None)
-    first = fp8.dequant(*fp8.act_quant(x, None)) @ fp8.weight_dequant(w, s).t()
-    assert not torch.equal(first, kernel_order_gemm(x, w, s, None))
+    w, s = fp8.weight_quant(torch.randn(256, 1024) * 0.05, fmt)
+    whole_k = fp8.dequant(*fp8.act_quant(x, fmt)) @ fp8.weight_dequant(w, s).t()
+    assert not torch.equal(whole_k, kernel_order_gemm(x, w, s, fmt))
+    assert torch.equal(fp8.fp8_gemm(x, w, s, fmt), kernel_order_gemm(x, w, s, fmt))
+    assert not fp8.sums_inexactly()
+    with fp8.inexact_sums():
+        assert fp8.sums_inexactly()
+        assert torch.equal(fp8.fp8_gemm(x, w, s, fmt), whole_k)
+        lin = Linear(1024, 256, fp8.FP8, scale_fmt=fmt)
+        lin.weight.data, lin.scale.data = w, s
+        with torch.inference_mode():
+            assert torch.equal(lin(x), whole_k)  # the CPU route too
+    assert not fp8.sums_inexactly()
 
 
 def test_fp8_index_is_relu_weighted_sum_over_heads():

@@ -1,6 +1,7 @@
 """The CPU backend: each route gives its plain function's bits, keeps copies only where it may, and
 switches off as a whole."""
 
+import contextlib
 import gc
 import json
 import subprocess
@@ -201,14 +202,15 @@ def reference_moe_loop(moe, x, weights_, indices):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native bf16", "float32 route"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("weights_form", ["fp8", "bf16", "float32", "fp8 amax/448 scales"])
+@pytest.mark.parametrize("weights_form", ["fp8", "fp8 whole-K sums", "bf16", "float32", "fp8 amax/448 scales"])
 def test_expert_route_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weights_form, native):
     """The experts prepared together ([w1; w3] as one product, packed for oneDNN or stacked, split
     among the threads) give the reference's loop: each expert in ascending order, y[tokens] +=
     w2(silu(w1 x) * w3 x) * weight, its products on the same route. Where they cannot (float32
-    weights, FP8 scales that need the block order) the block's own loop runs."""
+    weights, FP8 products summed in the kernel's block order) the block's own loop runs."""
     source = {
         "fp8": tiny_source,
+        "fp8 whole-K sums": tiny_source,
         "bf16": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
         "float32": SyntheticSource(TINY.replace(dtype="bf16"), seed=1),
         "fp8 amax/448 scales": SyntheticSource(TINY.replace(scale_fmt=None), seed=1),
@@ -218,13 +220,14 @@ def test_expert_route_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
         for lin in (m for m in moe.modules() if isinstance(m, Linear)):
             lin.weight = torch.nn.Parameter(lin.weight.float(), requires_grad=False)
     x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
-    with torch.inference_mode(), kernels.cpu_route(native):
+    whole_k = fp8.inexact_sums() if weights_form == "fp8 whole-K sums" else contextlib.nullcontext()
+    with torch.inference_mode(), kernels.cpu_route(native), whole_k:
         weights_, indices = moe.gate(x)
         want = routed(reference_moe_loop, moe, x, weights_, indices)  # float32 products may round by thread count
         assert torch.equal(routed(moe.route, x, weights_, indices), want)
         assert torch.equal(plain(moe.route, x, weights_, indices), plain(reference_moe_loop, moe, x, weights_, indices))
         prepared = fast_moe._prepared(moe.experts, dtype)
-        assert (prepared is None) == (weights_form in ("float32", "fp8 amax/448 scales"))
+        assert (prepared is None) == (weights_form in ("float32", "fp8", "fp8 amax/448 scales"))
         if prepared is not None:
             assert (prepared.packed13 is not None) == (
                 products.product_dtype(dtype) == torch.bfloat16 and products.packed_products_agree()
@@ -240,9 +243,9 @@ def test_copies_are_kept_with_their_weight_and_go_with_it(linear_of):
     x = torch.randn(3, 256).to(torch.bfloat16)
     with torch.inference_mode():
         first = routed(lin, x)
-        copy = weights.get(lin.weight, ("dequantized", products.product_dtype(x.dtype)), (lin.scale,))
+        copy = weights.get(lin.weight, ("codes",))
         assert copy is not weights.MISSING
-        assert weights.get(lin.weight, ("dequantized", products.product_dtype(x.dtype)), (lin.scale,)) is copy
+        assert weights.get(lin.weight, ("codes",)) is copy
     w2, s2 = fp8.weight_quant(torch.randn(256, 256) * 0.05, "ue8m0")
     lin.weight.data, lin.scale.data = w2, s2  # in place: the same parameters, other values
     with torch.inference_mode():
@@ -251,7 +254,7 @@ def test_copies_are_kept_with_their_weight_and_go_with_it(linear_of):
     kernels.use_once(once.weight)
     with torch.inference_mode():
         routed(once, x)
-    assert weights.get(once.weight, ("dequantized", products.product_dtype(x.dtype)), (once.scale,)) is weights.MISSING
+    assert weights.get(once.weight, ("codes",)) is weights.MISSING
     trained = Linear(256, 64)
     torch.nn.init.normal_(trained.weight)
     assert trained.weight.requires_grad

@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from model import fp8
 from model.config import ModelArgs
 
 from ..analyses.interventions import applied
@@ -201,6 +202,7 @@ class AtlasJob:
             "max_tokens": self.max_tokens,
             "weights": self.weights,
             **({"interventions": [i.describe() for i in self.interventions]} if self.interventions else {}),
+            **({"fp8_sums": fp8.INEXACT_SUMS} if fp8.sums_inexactly() else {}),
         }
         self._state: dict[str, torch.Tensor] | None = None
         self._seconds = 0.0

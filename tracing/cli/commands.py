@@ -8,12 +8,13 @@ does an output that cannot be written (tracing.cli.output).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 
-from model import kernels
+from model import fp8, kernels
 from model.checkpoint import CheckpointError, SafetensorsSource, dtype_name, expected_specs
 from model.config import ConfigError, ModelArgs
 from model.params import count_params
@@ -524,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         previous = None
     try:
         args = build_parser().parse_args(argv)
-        with kernels.serial_passes():  # a CPU forward's passes on one thread, large products on all
+        whole_k = fp8.inexact_sums() if getattr(args, "inexact_fp8_sums", False) else contextlib.nullcontext()
+        with kernels.serial_passes(), whole_k:  # a CPU forward's passes on one thread, large products on all
             return args.func(args)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)

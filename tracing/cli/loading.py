@@ -45,6 +45,13 @@ def add_device_options(parser) -> None:
     parser.add_argument(
         "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
     )
+    parser.add_argument(
+        "--inexact-fp8-sums",
+        action="store_true",
+        help="FP8 products summed over the whole K at once, not per 128-wide block as the reference's kernel: faster on"
+        " the CPU, but outputs move by a bfloat16 unit here and there and selections downstream can change (said in"
+        " the trace's metadata)",
+    )
 
 
 def add_source_options(parser, synthetic_help: str, server: bool = False) -> None:
