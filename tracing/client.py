@@ -116,7 +116,7 @@ class Client:
             info = self._json("GET", "/info", MAX_JSON_BYTES)
             _expect(info, "/info", model=str, dtype=str, device=str, ranks=int, config=dict, tokenizer=bool, limits=dict)
             _expect(info["limits"], "/info's limits", max_prompt_tokens=int, max_generate=int)
-            if not (info.get("chat_refusal") is None or isinstance(info["chat_refusal"], str)):
+            if "chat_refusal" not in info or not (info["chat_refusal"] is None or isinstance(info["chat_refusal"], str)):
                 raise ServerError(f"the answer to /info from {self.url} is malformed (chat_refusal is not a string)")
             try:
                 ModelArgs.from_json(info["config"])
@@ -235,7 +235,10 @@ class _Bytes:
             if not self.more(deadline):
                 return None
         if end < 0 or end > cap:
-            raise ServerError(f"the server sent a line longer than {cap:,} bytes ({_said(bytes(self.buffer[:cap]))})")
+            start = bytes(self.buffer[:cap])
+            if _ERROR_START.match(start):  # an error too long to read whole: its start is still the server's word
+                raise ServerError(f"the server says: {_said(start)} (a message of more than {cap:,} bytes, cut)")
+            raise ServerError(f"the server sent a line longer than {cap:,} bytes: {_said(start)}")
         line = bytes(self.buffer[:end])
         del self.buffer[: end + 1]
         return line
