@@ -269,6 +269,8 @@ def read_answer(
     stream = _Bytes(chunks, read_timeout)
     try:
         while (line := stream.line(MAX_LINE_BYTES)) is not None:
+            if not line.strip():  # a blank heartbeat
+                continue
             message = _event(line)
             if "error" in message:
                 raise ServerError(f"the server says: {_said(line)}")
@@ -304,7 +306,7 @@ def _event(line: bytes) -> dict:
     if "progress" in message:
         p = message["progress"]
         fields = ("block", "blocks", "step", "steps")
-        if not (isinstance(p, dict) and all(_count(p.get(k)) for k in fields) and p["block"] <= p["blocks"]):
+        if not (isinstance(p, dict) and all(_count(p.get(k)) for k in fields) and p["block"] <= p["blocks"] >= 1):
             raise ServerError(f"the server sent malformed progress: {_cut(line)}")
     return message
 
@@ -349,9 +351,9 @@ def _said(data: bytes) -> str:
 
 
 def _refusal(status: int, body: bytes) -> str:
-    if not body.strip():
-        return f"the server answered {status}"
-    return f"the server says: {_said(body)} ({status})"
+    if _ERROR_START.match(body):
+        return f"the server says: {_said(body)} ({status})"
+    return f"the server answered {status}" + (f": {_cut(body)}" if body.strip() else "")
 
 
 def _cut(text: str | bytes) -> str:
