@@ -15,11 +15,11 @@ from tests.app.apptest import APP, messages, raised_nothing
 from tests.tracing.hostile_server import hostile_server
 from tracing.client import ENV_READ_TIMEOUT, MESSAGE_CHARS
 
-READ_TIMEOUT = 1.0
+READ_TIMEOUT = 0.5
 SAYS = {  # mode: (the sidebar's heading, what its one line says)
     "huge_info": ("Model server not reached.", "is larger than 1,048,576 bytes"),
     "malformed_info": ("Model server not reached.", "is not JSON"),
-    "drip": ("Not traced.", "sent too little to go on for 1 s"),
+    "drip": ("Not traced.", "sent too little to go on for 0.5 s"),
     "huge_line": ("Not traced.", "a line longer than 65,536 bytes"),
     "malformed": ("Not traced.", "not JSON: this is not JSON"),
     "error_20mb": ("Not traced.", "the server says: the model ran out of"),

@@ -1,7 +1,8 @@
 """A model server that misbehaves, on loopback, for the clients' tests: it answers /health,
 /info and /encode as a server of the tiny config does, and then, as its ``mode`` says, drips its
 answer a byte at a time, sends one endless line, a huge /info, malformed JSON, a 20 MB error, a
-trace that is no safetensors file or one announced at a petabyte. It counts the bytes it managed to
+trace that is no safetensors file or one announced at a petabyte; or it works longer than a read
+timeout, saying so every 0.2 s, and sends a real trace. It counts the bytes it managed to
 send, so a test sees that the client stopped reading (the socket's buffers hold a few MB at most)."""
 
 from __future__ import annotations
@@ -46,23 +47,35 @@ def _drip(head: bytes) -> Iterator[bytes]:
         yield b" "
 
 
+def _working(trace: bytes) -> Iterator[bytes]:
+    """A server that works longer than the read timeout, saying so every 0.2 s, then sends its trace."""
+    yield QUEUED
+    for block in range(1, 8):
+        time.sleep(0.2)
+        yield b"\n" if block % 2 else b'{"heartbeat": %d}\n' % block
+        yield b'{"progress": {"block": %d, "blocks": 7, "step": 0, "steps": 0}}\n' % block
+    yield b'{"trace": %d}\n' % len(trace)
+    yield trace
+
+
 def _json(value) -> Iterator[bytes]:
     yield json.dumps(value).encode()
 
 
 QUEUED = b'{"queued": 1}\n'
 TRACES = {  # mode: (status, the answer's chunks) for POST /trace
-    "drip": lambda: (200, _drip(QUEUED + b'{"progress": ')),
-    "huge_line": lambda: (200, _endless(QUEUED + b'{"progress": "')),
-    "malformed": lambda: (200, iter([QUEUED, b"this is not JSON\n"])),
-    "wrong_types": lambda: (200, iter([b'{"progress": {"block": "3", "blocks": 4}}\n'])),
-    "error_20mb": lambda: (
+    "working": lambda trace: (200, _working(trace)),
+    "drip": lambda trace: (200, _drip(QUEUED + b'{"progress": ')),
+    "huge_line": lambda trace: (200, _endless(QUEUED + b'{"progress": "')),
+    "malformed": lambda trace: (200, iter([QUEUED, b"this is not JSON\n"])),
+    "wrong_types": lambda trace: (200, iter([b'{"progress": {"block": "3", "blocks": 4}}\n'])),
+    "error_20mb": lambda trace: (
         200,
         _endless(QUEUED + b'{"error": "the model ran out of ' + b"x", ERROR_BYTES, b'", "status": 500}\n'),
     ),
-    "refusal_20mb": lambda: (422, _endless(b'{"error": "your request is ' + b"x", ERROR_BYTES, b'"}')),
-    "not_safetensors": lambda: (200, iter([QUEUED, b'{"trace": 16}\n', b"0123456789abcdef"])),
-    "petabyte_trace": lambda: (200, iter([b'{"trace": 1000000000000000}\n'])),
+    "refusal_20mb": lambda trace: (422, _endless(b'{"error": "your request is ' + b"x", ERROR_BYTES, b'"}')),
+    "not_safetensors": lambda trace: (200, iter([QUEUED, b'{"trace": 16}\n', b"0123456789abcdef"])),
+    "petabyte_trace": lambda trace: (200, iter([b'{"trace": 1000000000000000}\n'])),
 }
 INFOS = {  # mode: the answer's chunks for GET /info
     "huge_info": lambda: _endless(b'{"model": "tiny", "padding": "', HUGE, b'"}'),
@@ -75,6 +88,7 @@ class Hostile(ThreadingHTTPServer):
     daemon_threads = True
     mode = "good"
     sent = 0  # bytes of the last answer that reached the socket
+    trace = b""  # what the "working" mode sends in the end
 
     @property
     def url(self) -> str:
@@ -98,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/encode":
             self._answer(200, _json({"ids": [1, 2, 3]}))
         else:
-            self._answer(*TRACES[self.server.mode]())
+            self._answer(*TRACES[self.server.mode](self.server.trace))
 
     def _answer(self, status: int, chunks: Iterator[bytes]) -> None:
         self.server.sent = 0

@@ -20,10 +20,10 @@ from tracing.client import ENV_READ_TIMEOUT, MESSAGE_CHARS, Client, ServerError
 from tracing.errors import InputError
 from tracing.runner import TraceRequest, run
 
-READ_TIMEOUT = 1.0
+READ_TIMEOUT = 0.5
 TOKEN = "a-token-of-sixteen-or-more"
 EXPECTED = {  # mode: what the one line says
-    "drip": "sent too little to go on for 1 s",
+    "drip": "sent too little to go on for 0.5 s",
     "huge_line": "a line longer than 65,536 bytes",
     "malformed": "not JSON: this is not JSON",
     "wrong_types": "malformed progress",
@@ -79,6 +79,19 @@ def test_run_on_a_hostile_server_is_one_line_and_status_2(server, mode, monkeypa
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and not out.exists(), (code, err)
     assert time.monotonic() - started < READ_TIMEOUT + 2
     assert EXPECTED[mode] in err or mode == "not_safetensors" and "not a readable trace file" in err, err
+
+
+def test_a_server_that_works_longer_than_the_read_timeout_is_waited_for(tiny_model, server):
+    """Lines every 0.2 s for 1.4 s (progress, a heartbeat, a blank line) against a 0.5 s read timeout:
+    the trace arrives, each event seen once."""
+    server.mode, server.trace = "working", run(tiny_model, TraceRequest(token_ids=(1, 2, 3))).to_bytes()
+    events = []
+    started = time.monotonic()
+    with Client(server.url, read_timeout=READ_TIMEOUT) as client:
+        trace = client.trace(token_ids=[1, 2, 3], on_progress=events.append)
+    assert time.monotonic() - started > 2 * READ_TIMEOUT and trace.token_ids == [1, 2, 3]
+    assert [e["progress"]["block"] for e in events if "progress" in e] == list(range(1, 8))
+    assert {"queued": 1} in events and {"heartbeat": 2} in events
 
 
 def test_the_timeouts_are_settable_and_checked(server, monkeypatch):
