@@ -105,7 +105,7 @@ class Client:
 
     # ------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        health = self._json("GET", "/health", MAX_JSON_BYTES)
+        health = self._json("GET", "/health", MAX_JSON_BYTES, self.timeout)  # a status: no work behind it
         _expect(health, "/health", queue=int, running=bool)
         return health
 
@@ -113,7 +113,7 @@ class Client:
         """The server's model: config (Hugging Face form), dtype, device, ranks, tokenizer, limits
         (asked once: a server serves one model)."""
         if self._info is None:
-            info = self._json("GET", "/info", MAX_JSON_BYTES)
+            info = self._json("GET", "/info", MAX_JSON_BYTES, self.read_timeout)
             _expect(info, "/info", model=str, dtype=str, device=str, ranks=int, config=dict, tokenizer=bool, limits=dict)
             _expect(info["limits"], "/info's limits", max_prompt_tokens=int, max_generate=int)
             if "chat_refusal" not in info or not (info["chat_refusal"] is None or isinstance(info["chat_refusal"], str)):
@@ -128,7 +128,7 @@ class Client:
     def encode(self, request: TraceRequest) -> list[int]:
         """The token ids the server would run ``request`` on (checked as /trace checks them)."""
         body, kind = encode_request(request)
-        answer = self._json("POST", "/encode", MAX_IDS_BYTES, content=body, headers={"content-type": kind})
+        answer = self._json("POST", "/encode", MAX_IDS_BYTES, self.read_timeout, content=body, headers={"content-type": kind})
         ids = answer.get("ids")
         if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
             raise ServerError(f"the answer to /encode from {self.url} is malformed (ids is not a list of token ids)")
@@ -171,13 +171,14 @@ class Client:
         names = select(args, [*request.record, *(["attribution"] if request.attribute else [])])
         return min(self.max_trace_bytes, 2 * estimate_bytes(args, names, n) + TRACE_SLACK + TRACE_SLACK_PER_TOKEN * n)
 
-    def _json(self, method: str, path: str, cap: int, **kwargs) -> dict:
+    def _json(self, method: str, path: str, cap: int, read_timeout: float, **kwargs) -> dict:
+        timeout = httpx.Timeout(self.timeout, read=read_timeout)
         try:
-            with self._http.stream(method, path, **kwargs) as answer:
+            with self._http.stream(method, path, timeout=timeout, **kwargs) as answer:
                 status = answer.status_code
-                body, whole = _read_most(answer.iter_raw(), cap if status == 200 else MAX_LINE_BYTES, self.read_timeout)
+                body, whole = _read_most(answer.iter_raw(), cap if status == 200 else MAX_LINE_BYTES, read_timeout)
         except httpx.TimeoutException:
-            raise ServerError(self._timed_out()) from None
+            raise ServerError(self._timed_out(read_timeout)) from None
         except httpx.HTTPError as exc:
             raise ServerError(f"the model server at {self.url} cannot be reached ({_cut(str(exc))})") from None
         if status != 200:
@@ -192,10 +193,10 @@ class Client:
             raise ServerError(f"the answer to {path} from {self.url} is not a JSON object")
         return answer
 
-    def _timed_out(self) -> str:
+    def _timed_out(self, read_timeout: float | None = None) -> str:
         return (
             f"the model server at {self.url} did not answer in time (connecting {self.timeout:g} s, "
-            f"each line {self.read_timeout:g} s: {ENV_TIMEOUT}, {ENV_READ_TIMEOUT})"
+            f"reading {read_timeout or self.read_timeout:g} s: {ENV_TIMEOUT}, {ENV_READ_TIMEOUT})"
         )
 
 

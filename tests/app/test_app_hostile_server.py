@@ -13,7 +13,7 @@ from app.core import settings
 from app.core.models import _open_server
 from tests.app.apptest import APP, messages, raised_nothing
 from tests.tracing.hostile_server import hostile_server
-from tracing.client import ENV_READ_TIMEOUT, MESSAGE_CHARS
+from tracing.client import ENV_READ_TIMEOUT, ENV_TIMEOUT, MESSAGE_CHARS
 
 READ_TIMEOUT = 0.5
 SAYS = {  # mode: (the sidebar's heading, what its one line says)
@@ -38,6 +38,7 @@ def test_the_sidebar_says_a_hostile_server_in_one_line(server, mode, monkeypatch
     _open_server.clear()  # the server's /info is asked again, as a new process would
     monkeypatch.setenv(settings.ENV_SERVER, server.url)
     monkeypatch.setenv(ENV_READ_TIMEOUT, str(READ_TIMEOUT))
+    monkeypatch.setenv(ENV_TIMEOUT, str(READ_TIMEOUT))  # /health, asked on every rerun, drips too
     started = time.monotonic()
     at = raised_nothing(AppTest.from_file(APP, default_timeout=30).run())
     seconds = time.monotonic() - started

@@ -104,6 +104,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/info" and self.server.mode in INFOS:
             self._answer(200, INFOS[self.server.mode]())
+        elif self.path == "/health" and self.server.mode == "drip":
+            self._answer(200, _drip(b'{"queue": '))
         else:
             self._answer(200, _json(INFO if self.path == "/info" else HEALTH))
 

@@ -94,6 +94,16 @@ def test_a_server_that_works_longer_than_the_read_timeout_is_waited_for(tiny_mod
     assert {"queued": 1} in events and {"heartbeat": 2} in events
 
 
+def test_health_is_asked_with_the_connect_timeout(server):
+    """/health is a status with no work behind it: the sidebar asks it on every rerun, so a server
+    that drips it costs the connect timeout, not the read timeout."""
+    server.mode = "drip"
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="did not answer in time"), Client(server.url, timeout=0.3, read_timeout=30) as client:
+        client.health()
+    assert time.monotonic() - started < 1.5
+
+
 def test_the_timeouts_are_settable_and_checked(server, monkeypatch):
     monkeypatch.setenv(ENV_READ_TIMEOUT, "0.5")
     assert Client(server.url).read_timeout == 0.5 and Client(server.url, read_timeout=2).read_timeout == 2
