@@ -47,10 +47,16 @@ def read_token_file(path: str | os.PathLike | None, what: str = "--token-file") 
         token = data.decode("ascii").strip()
     except UnicodeDecodeError:
         raise InputError(f"{where}: holds non-ASCII bytes; a token is printable ASCII, as HTTP headers are") from None
-    if len(token) < MIN_CHARS or not all("!" <= c <= "~" for c in token):
-        raise InputError(f"{where}: the token must be at least {MIN_CHARS} printable ASCII characters, without spaces")
+    check_token(token, where)
     if st.st_mode & stat.S_IROTH:
         print(f"warning: {where}: every user of this machine can read it (chmod 600 it)", file=sys.stderr)
+    return token
+
+
+def check_token(token: str, where: str = "the token") -> str:
+    """``token`` when it can be a bearer token: MIN_CHARS or more printable ASCII characters."""
+    if len(token) < MIN_CHARS or not all("!" <= c <= "~" for c in token):
+        raise InputError(f"{where}: the token must be at least {MIN_CHARS} printable ASCII characters, without spaces")
     return token
 
 

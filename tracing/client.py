@@ -33,7 +33,7 @@ import httpx
 
 from model.config import ConfigError, ModelArgs
 
-from .bearer import read_token_file
+from .bearer import check_token, read_token_file
 from .errors import InputError
 from .runner import TraceRequest
 from .server.wire import encode_request
@@ -83,7 +83,7 @@ class Client:
         megabytes = None if max_trace_bytes is None else max_trace_bytes / 2**20
         self.max_trace_bytes = int(_setting(megabytes, ENV_MAX_TRACE_MB, MAX_TRACE_BYTES / 2**20) * 2**20)
         # identity: a compressed answer would expand past every cap before it could be counted
-        headers = {"accept-encoding": "identity"} | ({"authorization": f"Bearer {token}"} if token else {})
+        headers = {"accept-encoding": "identity"} | ({"authorization": f"Bearer {check_token(token)}"} if token else {})
         try:
             self._http = httpx.Client(
                 base_url=self.url,

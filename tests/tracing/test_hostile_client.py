@@ -154,6 +154,11 @@ def test_a_token_file_is_a_small_regular_file_of_printable_ascii(tmp_path, capsy
             read_token_file(path)
 
 
+def test_a_token_given_in_python_follows_the_same_rule(server):
+    with pytest.raises(InputError, match="printable ASCII"):
+        Client(server.url, token="a-token-of-sixteen-é")
+
+
 def test_a_world_readable_token_file_warns_in_one_line(tmp_path, capsys):
     path = private(tmp_path / "token", TOKEN)
     path.chmod(0o644)
