@@ -25,6 +25,8 @@ import json
 import math
 import os
 import re
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -89,6 +91,7 @@ class Client:
                 base_url=self.url,
                 headers=headers,
                 timeout=httpx.Timeout(self.timeout, read=self.read_timeout),
+                limits=httpx.Limits(max_keepalive_connections=0),  # a connection per request: _Headers watches each
             )
         except (httpx.InvalidURL, ValueError) as exc:
             raise InputError(f"--server {self.url!r}: not a URL ({exc})") from None
@@ -139,15 +142,19 @@ class Client:
         {"progress": {"block", "blocks", "step", "steps"}}, and any other the server sends)."""
         body, kind = encode_request(request.check())
         cap = self.trace_cap(request)
+        headers = _Headers(self.read_timeout)
         try:
-            with self._http.stream("POST", "/trace", content=body, headers={"content-type": kind}) as answer:
+            with self._http.stream(
+                "POST", "/trace", content=body, headers={"content-type": kind}, extensions=headers.extensions
+            ) as answer:
+                headers.arrived()
                 chunks = answer.iter_raw()
                 if answer.status_code != 200:
                     raise ServerError(_refusal(answer.status_code, _read_most(chunks, MAX_LINE_BYTES, self.read_timeout)[0]))
                 return read_answer(chunks, on_progress, cap, self.read_timeout)
-        except httpx.TimeoutException:
-            raise ServerError(self._timed_out()) from None
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TimeoutException) or headers.late:
+                raise ServerError(self._timed_out()) from None
             raise ServerError(f"the model server at {self.url} cannot be reached or went away ({_cut(str(exc))})") from None
 
     def trace(self, request: TraceRequest | None = None, on_progress=None, **fields) -> Trace:
@@ -173,13 +180,15 @@ class Client:
 
     def _json(self, method: str, path: str, cap: int, read_timeout: float, **kwargs) -> dict:
         timeout = httpx.Timeout(self.timeout, read=read_timeout)
+        headers = _Headers(read_timeout)
         try:
-            with self._http.stream(method, path, timeout=timeout, **kwargs) as answer:
+            with self._http.stream(method, path, timeout=timeout, extensions=headers.extensions, **kwargs) as answer:
+                headers.arrived()
                 status = answer.status_code
                 body, whole = _read_most(answer.iter_raw(), cap if status == 200 else MAX_LINE_BYTES, read_timeout)
-        except httpx.TimeoutException:
-            raise ServerError(self._timed_out(read_timeout)) from None
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TimeoutException) or headers.late:
+                raise ServerError(self._timed_out(read_timeout)) from None
             raise ServerError(f"the model server at {self.url} cannot be reached ({_cut(str(exc))})") from None
         if status != 200:
             raise ServerError(_refusal(status, body))
@@ -201,6 +210,35 @@ class Client:
 
 
 # --- an answer's bytes, bounded ---------------------------------------------------------------------
+
+
+class _Headers:
+    """A deadline for an answer's status line and headers (and a TLS handshake before them):
+    httpx's read timeout restarts with every byte, so a server that drips its headers would hold
+    the client as long as it liked. A timer armed once connected shuts the socket down; the request
+    then fails, and ``late`` says why."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.late, self.timer = seconds, False, None
+        self.extensions = {"trace": self._event}
+
+    def _event(self, name: str, info: dict) -> None:
+        if name == "connection.connect_tcp.complete":
+            sock = info["return_value"].get_extra_info("socket")
+            self.timer = threading.Timer(self.seconds, self._expire, (sock,))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _expire(self, sock: socket.socket) -> None:
+        self.late = True
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the read that waits on it
+        except OSError:
+            pass
+
+    def arrived(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class _Stalled(Exception):
