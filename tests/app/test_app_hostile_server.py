@@ -1,5 +1,5 @@
 """The app on a model server it cannot trust (tests/tracing/hostile_server.py): a huge or malformed
-/info, an answer that drips, one endless line, a 20 MB error. The sidebar says each in one
+/info, an answer or its headers that drip, one endless line, a 20 MB error. The sidebar says each in one
 ``st.error`` of a few hundred characters within the read timeout, and the app goes on."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ SAYS = {  # mode: (the sidebar's heading, what its one line says)
     "huge_info": ("Model server not reached.", "is larger than 1,048,576 bytes"),
     "malformed_info": ("Model server not reached.", "is not JSON"),
     "drip": ("Not traced.", "sent too little to go on for 0.5 s"),
+    "drip_info_headers": ("Model server not reached.", "did not answer in time"),
     "huge_line": ("Not traced.", "a line longer than 65,536 bytes"),
     "malformed": ("Not traced.", "not JSON: this is not JSON"),
     "error_20mb": ("Not traced.", "the server says: the model ran out of"),

@@ -1,6 +1,6 @@
 """A model server that misbehaves, on loopback, for the clients' tests: it answers /health,
 /info and /encode as a server of the tiny config does, and then, as its ``mode`` says, drips its
-answer a byte at a time, sends one endless line, a huge /info, malformed JSON, a 20 MB error, a
+answer or its headers a byte at a time, sends one endless line, a huge /info, malformed JSON, a 20 MB error, a
 trace that is no safetensors file or one announced at a petabyte; or it works longer than a read
 timeout, saying so every 0.2 s, and sends a real trace. It counts the bytes it managed to
 send, so a test sees that the client stopped reading (the socket's buffers hold a few MB at most)."""
@@ -102,7 +102,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        if self.path == "/info" and self.server.mode in INFOS:
+        if self.path == "/info" and self.server.mode == "drip_info_headers":
+            self._drip_headers()
+        elif self.path == "/info" and self.server.mode in INFOS:
             self._answer(200, INFOS[self.server.mode]())
         elif self.path == "/health" and self.server.mode == "drip":
             self._answer(200, _drip(b'{"queue": '))
@@ -113,14 +115,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("content-length") or 0))
         if self.path == "/encode":
             self._answer(200, _json({"ids": [1, 2, 3]}))
+        elif self.server.mode == "drip_headers":
+            self._drip_headers()
         else:
             self._answer(*TRACES[self.server.mode](self.server.trace))
+
+    def _drip_headers(self) -> None:
+        """A status line, then one header a byte at a time: no body ever starts."""
+        self._send(_drip(b"HTTP/1.0 200 OK\r\nX-Drip: "))
 
     def _answer(self, status: int, chunks: Iterator[bytes]) -> None:
         self.server.sent = 0
         self.send_response(status)
         self.send_header("content-type", "application/x-ndjson")
         self.end_headers()
+        self._send(chunks)
+
+    def _send(self, chunks: Iterator[bytes]) -> None:
         try:
             for chunk in chunks:
                 self.wfile.write(chunk)

@@ -24,6 +24,8 @@ READ_TIMEOUT = 0.5
 TOKEN = "a-token-of-sixteen-or-more"
 EXPECTED = {  # mode: what the one line says
     "drip": "sent too little to go on for 0.5 s",
+    "drip_headers": "did not answer in time",
+    "drip_info_headers": "did not answer in time",
     "huge_line": "a line longer than 65,536 bytes",
     "malformed": "not JSON: this is not JSON",
     "wrong_types": "malformed progress",
@@ -68,7 +70,7 @@ def test_the_client_answers_a_hostile_server_with_one_line_and_bounded_memory(se
         assert server.sent < SENT_IN_FULL[mode] / 2, server.sent  # it stopped reading: the server could not send it all
 
 
-@pytest.mark.parametrize("mode", ["drip", "huge_line", "malformed", "error_20mb", "not_safetensors", "huge_info"])
+@pytest.mark.parametrize("mode", ["drip", "drip_headers", "huge_line", "malformed", "error_20mb", "not_safetensors", "huge_info"])
 def test_run_on_a_hostile_server_is_one_line_and_status_2(server, mode, monkeypatch, tmp_path, capsys):
     server.mode = mode
     monkeypatch.setenv(ENV_READ_TIMEOUT, str(READ_TIMEOUT))
