@@ -83,6 +83,16 @@ def test_run_on_a_hostile_server_is_one_line_and_status_2(server, mode, monkeypa
     assert EXPECTED[mode] in err or mode == "not_safetensors" and "not a readable trace file" in err, err
 
 
+@pytest.mark.parametrize("mode", ["drip", "error_20mb"])
+def test_patching_on_a_hostile_server_is_one_line_and_status_2(server, mode, monkeypatch, tmp_path, capsys):
+    server.mode = mode
+    monkeypatch.setenv(ENV_READ_TIMEOUT, str(READ_TIMEOUT))
+    argv = ["patching", "--server", server.url, "--clean-ids", "1,2,3", "--corrupt-ids", "1,2,4", "--out", str(tmp_path / "p")]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and EXPECTED[mode] in err and not (tmp_path / "p").exists(), (code, err)
+
+
 def test_a_server_that_works_longer_than_the_read_timeout_is_waited_for(tiny_model, server):
     """Lines every 0.2 s for 1.4 s (progress, a heartbeat, a blank line) against a 0.5 s read timeout:
     the trace arrives, each event seen once."""
