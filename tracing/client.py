@@ -248,7 +248,8 @@ class _Stalled(Exception):
 class _Bytes:
     """The bytes of an answer as they arrive, in one growing buffer: each line (or each STEADY_BYTES
     of a trace) must arrive within ``read_timeout`` of the last, so a server that drips a byte at a
-    time is as stalled as one that sends nothing (httpx's own read timeout, which each byte resets)."""
+    time is as stalled as one that sends nothing; httpx's read timeout alone, which every byte
+    restarts, would wait on it for ever."""
 
     def __init__(self, chunks: Iterator[bytes], read_timeout: float):
         self.chunks, self.read_timeout, self.buffer = iter(chunks), read_timeout, bytearray()
