@@ -122,9 +122,11 @@ class RemoteModel(AppModel):
         return self.client.encode(request.check())
 
     def trace(self, request: TraceRequest, on_block: Callable[[int], None] | None, max_tokens: int) -> Trace:
+        last = self.args.n_layers - 1
+
         def progress(event: dict) -> None:  # raising here (the app's Stop) closes the connection: the server stops
-            if on_block is not None and "progress" in event:
-                on_block(event["progress"]["block"] - 1)
+            if on_block is not None and "progress" in event:  # blocks 1..n, as the server counts them
+                on_block(min(max(event["progress"]["block"] - 1, 0), last))
 
         return self.client.trace(request, on_progress=progress)
 
@@ -283,7 +285,7 @@ def _open_checked(value: str, dtype: str) -> AppModel:
 
 @st.cache_resource(max_entries=4, show_spinner="Connecting to the model server…")
 def _open_server(url: str, token_file: str | None) -> RemoteModel:
-    client = Client(url, read_token_file(token_file), timeout=5.0)
+    client = Client(url, read_token_file(token_file, settings.ENV_SERVER_TOKEN_FILE))  # timeouts, caps: tracing.client
     facts = client.info()
     limits = facts.get("limits", {})
     notes = [f"the server takes prompts of up to {limits['max_prompt_tokens']} tokens"] if limits else []

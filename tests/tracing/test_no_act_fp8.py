@@ -18,9 +18,9 @@ from tests.tracing.serving import in_process, post
 from tracing.analyses.interventions import HookFunctions, NoActFP8, from_spec
 from tracing.cli.commands import main
 from tracing.cli.loading import open_checkpoint
+from tracing.client import read_answer
 from tracing.errors import InputError
 from tracing.runner import TraceRequest, run, trace_tokens
-from tracing.server.wire import read_answer
 from tracing.trace import Trace
 
 PROMPT = "It is a truth universally acknowledged, that a single man"

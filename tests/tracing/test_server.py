@@ -24,8 +24,8 @@ from starlette.testclient import TestClient
 
 from tests.tracing.serving import TOKEN, in_process, post
 from tracing.cli.commands import main
+from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
-from tracing.server.wire import read_answer
 from tracing.trace import Trace
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,9 +14,10 @@ from model.checkpoint import SafetensorsSource
 from tests.devcheckpoint import make_dev_checkpoint
 from tracing.cli.commands import main
 from tracing.cli.loading import open_checkpoint
+from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
 from tracing.server.http import State, make_app
-from tracing.server.wire import Limits, encode_request, read_answer
+from tracing.server.wire import Limits, encode_request
 from tracing.server.worker import Model, Queue, lead
 from tracing.sites import INDEXER_MISSING
 from tracing.trace import Trace

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
+from ..bearer import read_token_file
 from ..errors import InputError
 from .inputs import finite, integer, named_path
 from .loading import add_device_options, add_source_options, open_from_args, parse_device, parse_dtype
@@ -61,16 +61,6 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def read_token(path: str) -> str:
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"--token-file {path}: cannot read it ({exc})") from None
-    if len(token) < 16 or any(c.isspace() for c in token):
-        raise InputError(f"--token-file {path}: the token must be at least 16 characters, without spaces")
-    return token
-
-
 def _limits(args: argparse.Namespace):
     from ..server.wire import Limits
 
@@ -107,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port {args.port}: choose 1..65535")
     if not _loopback(args.host) and args.token_file is None:
         raise InputError(f"--host {args.host} is reachable from other machines: name a --token-file (a bearer token)")
-    token = read_token(args.token_file) if args.token_file else None
+    token = read_token_file(args.token_file)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     distributed = parallel.init_distributed(device, timedelta(seconds=args.collective_timeout))
     rank, world = (distributed.rank, distributed.world) if distributed is not None else (0, 1)

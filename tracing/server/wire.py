@@ -12,7 +12,6 @@ a plain JSON answer ``{"error": "..."}`` with its 4xx status.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from safetensors import SafetensorError
@@ -97,30 +96,3 @@ def _metadata(body: bytes) -> dict[str, str]:
 def event(**fields) -> bytes:
     """One line of the answer's stream."""
     return json.dumps(fields, allow_nan=False).encode() + b"\n"
-
-
-def read_answer(chunks: Iterator[bytes], on_event=None) -> bytes:
-    """The trace bytes from an answer's stream, calling ``on_event(dict)`` for each event line;
-    InputError with the server's line for an error."""
-    buffer = b""
-    chunks = iter(chunks)
-    while True:
-        while b"\n" not in buffer:
-            chunk = next(chunks, None)
-            if chunk is None:
-                raise InputError("the server ended the answer before the trace (it stopped or lost a rank)")
-            buffer += chunk
-        line, _, buffer = buffer.partition(b"\n")
-        message = json.loads(line)
-        if "error" in message:
-            raise InputError(message["error"])
-        if "trace" in message:
-            size = int(message["trace"])
-            while len(buffer) < size:
-                chunk = next(chunks, None)
-                if chunk is None:
-                    raise InputError(f"the server sent {len(buffer)} of the trace's {size} bytes")
-                buffer += chunk
-            return buffer[:size]
-        if on_event is not None:
-            on_event(message)
