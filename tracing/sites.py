@@ -768,7 +768,25 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.extend(m for m in matched if m not in chosen)
-    return sorted(chosen, key=site_order)
+    return sorted(_with_groups(args, chosen), key=site_order)
+
+
+# sites read together: a trace holding one of a group holds all of them (per block for BLOCK_GROUPS);
+# selection completes them, so what a run records is a trace file that can be read back
+SITE_GROUPS = (("next.topk_indices", "next.topk_probs"), ("attribution.total", "attribution.embed", "attribution.rest"))
+BLOCK_GROUPS = (("attn.attribution", "ffn.attribution"),)
+
+
+def _with_groups(args: ModelArgs, chosen: list[str]) -> list[str]:
+    """``chosen`` and the rest of each chosen site's group."""
+    out = dict.fromkeys(chosen)
+    for name in chosen:
+        where = layer_site(name)
+        if where is None:
+            out.update(dict.fromkeys(next((g for g in SITE_GROUPS if name in g), ())))
+        elif group := next((g for g in BLOCK_GROUPS if where[1] in g), ()):
+            out.update(dict.fromkeys(site_name(where[0], suffix) for suffix in group))
+    return list(out)
 
 
 @lru_cache(maxsize=16)
