@@ -114,6 +114,8 @@ class Tracer:
         dim = axes.index("H") - len(axes)  # counted from the end: the patch may hold the batch dimension or not
         if value.dim() < -dim or value.shape[dim] != self.args.n_heads:
             return value
+        if value.is_floating_point() and not torch.isfinite(value).all():  # every head: each rank decides alike
+            raise InputError(f"patch {name!r} holds NaN or infinite values")
         return self._ranks.own_heads(value, where[0], dim)
 
     # context manager ---------------------------------------------------------------------

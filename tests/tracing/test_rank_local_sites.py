@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from model.checkpoint import SafetensorsSource, load_model, save_checkpoint  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 from tests.model.test_parallel import TOKENS, TOL, TP_TINY, case_tokens, run_two_ranks  # noqa: E402
+from tracing.errors import InputError  # noqa: E402
 from tracing.runner import TraceRequest, run, trace_tokens  # noqa: E402
 
 RECORD = "layers.*.attn.indexer.recall,layers.*.attn.indexer.kl,layers.*.attn.probs_mean,layers.*.attn.indexer.topk_indices"
@@ -32,13 +33,16 @@ RUNS = {"prefill": None, "decode": TOKENS - 6}  # one prefill; or 6 decode steps
 PATCHED = "layers.2.resid_post,logits.last"
 
 
+def head_outputs(args) -> torch.Tensor:
+    return torch.randn(TOKENS, args.n_heads, args.v_head_dim, generator=torch.Generator().manual_seed(1))  # (T, H, Dv)
+
+
 def traces(model, plan=None) -> dict[str, dict[str, torch.Tensor]]:
     """The derived sites in a prefill and in decode steps; and a run with block 1's head outputs
     patched (every head, as a one-process trace holds them), whole and at positions 5..8."""
     ids = case_tokens(model.args.vocab_size)[0].tolist()
     out = {how: trace_tokens(model, ids, record=RECORD, plan=plan, prefill=p).tensors for how, p in RUNS.items()}
-    args = model.args
-    heads = torch.randn(TOKENS, args.n_heads, args.v_head_dim, generator=torch.Generator().manual_seed(1))
+    heads = head_outputs(model.args)
     for how, positions in (("patched", None), ("patched-at", "5:9")):
         request = TraceRequest(
             token_ids=ids, record=PATCHED, patches={"layers.1.attn.head_out": heads}, patch_positions=positions
@@ -63,6 +67,15 @@ def worker(out: Path, cases: dict[str, str]) -> None:
             if ctx.rank == 0:
                 meta = {"split": json.dumps(plan.split_attention)}
                 save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / f"{name}-{how}.safetensors"), meta)
+        bad = head_outputs(model.args)
+        bad[3, -1, 0] = float("nan")  # in the last head: rank 1's
+        ids = case_tokens(model.args.vocab_size)[0].tolist()
+        try:
+            run(model, TraceRequest(token_ids=ids, record=PATCHED, patches={"layers.1.attn.head_out": bad}), plan=plan)
+            said = "ran"
+        except InputError as exc:
+            said = str(exc)
+        (out / f"{name}-nan-rank{ctx.rank}.txt").write_text(said)
     torch.distributed.destroy_process_group()
 
 
@@ -93,6 +106,8 @@ def test_two_ranks_derive_recall_kl_and_mean_attention_from_their_own_heads(chec
         for name, value in want[how].items():  # bfloat16 values after float32 sums in another order: TOL
             torch.testing.assert_close(got[name], value, rtol=TOL, atol=TOL, msg=f"{how} {name}")
     assert not torch.equal(want["patched"]["logits.last"], want["patched-at"]["logits.last"])
+    for rank in (0, 1):  # a NaN in one rank's heads: every rank refuses the patch alike
+        assert "holds NaN or infinite values" in (tmp_path / f"tp-nan-rank{rank}.txt").read_text()
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "tp-prefill.safetensors"), "pt") as f:
