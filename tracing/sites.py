@@ -41,13 +41,16 @@ class SiteSpec:
     # "flow" (tracing.analyses.flow, the contribution graph): the
     # analyses are computed by their module's hooks and named (or --attribute, 'flow'), never by 'all'
     computed: str = ""
-    # "derive": f(value, read) -> the recorded value (batch dropped), or None where the site has none;
-    # value is derived_from's (batch first), read(suffix) a value of the same block and pass that the
-    # row's ``reads`` keep, read(suffix, back=1) the block before's (``reads_prev``; None in block 0)
-    derive: Callable[[torch.Tensor, Callable[..., torch.Tensor | None]], torch.Tensor | None] | None = None
+    # "derive": f(value, read, heads_mean) -> the recorded value (batch dropped), or None where the site
+    # has none; value is derived_from's (batch first), read(suffix) a value of the same block and pass
+    # that the row's ``reads`` keep, read(suffix, back=1) the block before's (``reads_prev``; None in
+    # block 0), heads_mean(x, dim) the mean over every head of x's heads along dim: under tensor
+    # parallelism a rank-local value holds this rank's heads, and the ranks add their sums
+    # (tracing.analyses.ranks), so no rank gathers every head's value
+    derive: Callable[..., torch.Tensor | None] | None = None
     reads: tuple[str, ...] = ()  # earlier sites of the pass its computation, or its replacement, reads
     reads_prev: tuple[str, ...] = ()  # sites of the block before that its derivation reads (read(suffix, back=1))
-    rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered
+    rank_local: bool = False  # under tensor parallelism each rank holds its heads (dim 2): gathered when recorded
     patchable: bool = True  # a hook point whose value a patch or an intervention may replace
     # an integer site's values: "keys" (key positions, -1 for none), "experts", "groups", "tokens",
     # "tokens or none" (-1 for none): what a trace file's values are checked against
@@ -82,21 +85,21 @@ class SiteSpec:
 ANALYSES = ("attribution", "flow")
 
 
-def _probs_mean(probs: torch.Tensor, read) -> torch.Tensor:
-    return probs[0].float().mean(dim=1).cpu()  # (T, H, S) -> (T, S)
+def _probs_mean(probs: torch.Tensor, read, heads_mean) -> torch.Tensor:
+    return heads_mean(probs[0].float(), 1).cpu()  # (T, H, S) -> (T, S)
 
 
-def _recall(scores: torch.Tensor, read) -> torch.Tensor:
+def _recall(scores: torch.Tensor, read, heads_mean) -> torch.Tensor:
     """The dense attention mass on the indexer's selection, mean over heads."""
-    return head_recall(scores, read("attn.indexer.topk_indices"))[0].mean(-1).cpu()  # (T,)
+    return heads_mean(head_recall(scores, read("attn.indexer.topk_indices"))[0], -1).cpu()  # (T, H) -> (T,)
 
 
-def _kl(scores: torch.Tensor, read) -> torch.Tensor:
+def _kl(scores: torch.Tensor, read, heads_mean) -> torch.Tensor:
     """KL(dense attention, mean over heads || the indexer's softmax), per query."""
-    return indexer_kl(scores, read("attn.indexer.scores"))[0].cpu()  # (T,)
+    return indexer_kl(scores, read("attn.indexer.scores"), heads_mean)[0].cpu()  # (T,)
 
 
-def _overlap_prev(keys: torch.Tensor, read) -> torch.Tensor | None:
+def _overlap_prev(keys: torch.Tensor, read, heads_mean) -> torch.Tensor | None:
     """The Jaccard overlap of each query's selected keys with the block before's (none in block 0)."""
     before = read("attn.indexer.topk_indices", back=1)
     if before is None:
@@ -105,14 +108,14 @@ def _overlap_prev(keys: torch.Tensor, read) -> torch.Tensor | None:
     return key_overlap(keys, before, n_keys)[0].cpu()  # (T,)
 
 
-def _margin(chosen: torch.Tensor, read) -> torch.Tensor:
+def _margin(chosen: torch.Tensor, read, heads_mean) -> torch.Tensor:
     """The biased score of the k-th chosen expert minus the best expert not chosen inside the chosen
     groups (anywhere, when the chosen groups hold no other): how near the routing came to a change."""
     groups, n_groups = read("ffn.gate.groups"), read("ffn.gate.group_scores").shape[-1]  # (N, topk_groups), G
     return expert_margin(read("ffn.gate.biased_scores"), chosen, groups, n_groups).cpu()  # (N,)
 
 
-def _group_margin(groups: torch.Tensor, read) -> torch.Tensor | None:
+def _group_margin(groups: torch.Tensor, read, heads_mean) -> torch.Tensor | None:
     """The weakest chosen group's score minus the best unchosen group's (none where every group is chosen)."""
     margin = group_margin(read("ffn.gate.group_scores"), groups)
     return None if margin is None else margin.cpu()  # (N,)
@@ -768,7 +771,25 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.extend(m for m in matched if m not in chosen)
-    return sorted(chosen, key=site_order)
+    return sorted(_with_groups(args, chosen), key=site_order)
+
+
+# sites read together: a trace holding one of a group holds all of them (per block for BLOCK_GROUPS);
+# selection completes them, so what a run records is a trace file that can be read back
+SITE_GROUPS = (("next.topk_indices", "next.topk_probs"), ("attribution.total", "attribution.embed", "attribution.rest"))
+BLOCK_GROUPS = (("attn.attribution", "ffn.attribution"),)
+
+
+def _with_groups(args: ModelArgs, chosen: list[str]) -> list[str]:
+    """``chosen`` and the rest of each chosen site's group."""
+    out = dict.fromkeys(chosen)
+    for name in chosen:
+        where = layer_site(name)
+        if where is None:
+            out.update(dict.fromkeys(next((g for g in SITE_GROUPS if name in g), ())))
+        elif group := next((g for g in BLOCK_GROUPS if where[1] in g), ()):
+            out.update(dict.fromkeys(site_name(where[0], suffix) for suffix in group))
+    return list(out)
 
 
 @lru_cache(maxsize=16)

@@ -21,7 +21,7 @@ from safetensors.torch import save as save_bytes
 
 from model.config import ConfigError, ModelArgs
 
-from .sites import index_range, layer_site, site_legend, site_name, site_shape
+from .sites import BLOCK_GROUPS, SITE_GROUPS, index_range, layer_site, site_legend, site_name, site_shape
 
 FORMAT = "deepseek-v32-trace"
 VERSION = "1"
@@ -229,11 +229,6 @@ def _check_extra(extra: dict, n: int) -> None:
     for key, ok in fields.items():
         if key in extra and not ok(extra[key]):
             raise TraceError(f"metadata 'extra': {key!r} is not what a run records ({json.dumps(extra[key])[:80]})")
-
-
-# sites read together: a trace holding one of a group holds all of them (per block for BLOCK_GROUPS)
-SITE_GROUPS = (("next.topk_indices", "next.topk_probs"), ("attribution.total", "attribution.embed", "attribution.rest"))
-BLOCK_GROUPS = (("attn.attribution", "ffn.attribution"),)
 
 
 def _check_groups(trace: Trace) -> None:

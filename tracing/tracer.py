@@ -11,6 +11,7 @@ rewrite it, and what results is what the model uses downstream and what the trac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from model.hooks import Hooks
 from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
-from .analyses.interventions import Intervention, Replace, during, replaced, replacements_of
+from .analyses.interventions import Intervention, PatchAt, Replace, during, replaced, replacements_of
 from .analyses.ranks import Ranks
 from .analyses.recall import one_dense
 from .errors import InputError
@@ -68,6 +69,7 @@ class Tracer:
     ):
         self.model = model
         self.plan = plan
+        self._ranks = Ranks(plan)  # what the derived sites and the analyses need of the other ranks
         self.args: ModelArgs = model.args
         self.sites = select(self.args, record)
         if attribution is not None:
@@ -78,8 +80,14 @@ class Tracer:
         self.attributes = self._attribution is not None
         self.attribution_info: dict = {}  # the attributed position, target and contrast, once the pass ran
         self._attributed: dict[str, torch.Tensor] = {}  # its values: from the pass that held the position
-        self.patches = dict(patches or {})
-        self.interventions = list(interventions)
+        # a patch of a per-head site holds every head; under tensor parallelism each rank puts in its own
+        self.patches = {name: self._own_heads(name, value) for name, value in (patches or {}).items()}
+        self.interventions = [
+            dataclasses.replace(i, values={n: self._own_heads(n, v) for n, v in i.values.items()})
+            if isinstance(i, PatchAt)
+            else i
+            for i in interventions
+        ]
         self.on_block = on_block
         self.values: dict[str, torch.Tensor] = {}
         self._steps: list[dict[str, torch.Tensor]] = []  # earlier passes' values (decode steps)
@@ -94,6 +102,21 @@ class Tracer:
         self._mtp_rows: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks: Hooks | None = None
         self._during = None  # the interventions' contexts (Intervention.during) while entered
+
+    def _own_heads(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of a patch that holds every head of a block's per-head site (the value
+        a one-process trace recorded); any other value as it is (a wrong shape is named where it is
+        put in)."""
+        row, where = spec(name), layer_site(name)
+        if row is None or where is None or not row.rank_local:
+            return value
+        axes = row.legend.split()
+        dim = axes.index("H") - len(axes)  # counted from the end: the patch may hold the batch dimension or not
+        if value.dim() < -dim or value.shape[dim] != self.args.n_heads:
+            return value
+        if value.is_floating_point() and not torch.isfinite(value).all():  # every head: each rank decides alike
+            raise InputError(f"patch {name!r} holds NaN or infinite values")
+        return self._ranks.own_heads(value, where[0], dim)
 
     # context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -174,8 +197,6 @@ class Tracer:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise InputError(f"patch {name!r} holds NaN or infinite values")
-            if self.plan is not None and spec(name).rank_local and self.plan.world > 1:
-                raise InputError(f"patch {name!r}: per-head attention values cannot be patched under tensor parallelism")
         replacers = replacements_of(self.interventions, self.args, points)
         derived: dict[str, list[str]] = {}  # hook point -> derived sites computed from its value
         keep: set[str] = set()  # hook points whose value later hooks of this pass read
@@ -215,7 +236,7 @@ class Tracer:
         sources = any(spec(name).suffix == "attn.attribution_src" for name in self.sites)
         dropped = any(spec(name).suffix == "attn.attribution_dropped" for name in self.sites)
         reads = HeadReads(self.model, hooks) if sources or dropped or self._flow else None
-        ranks = Ranks(self.plan)  # under tensor parallelism the analyses gather the heads and vocabulary they read
+        ranks = self._ranks  # under tensor parallelism the analyses gather the heads and vocabulary they read
         if self._attribution is not None:
             lens = any(".expert_lens." in name for name in self.sites)
             reads_for = reads if sources or dropped else None
@@ -317,17 +338,17 @@ class Tracer:
                 _check_indices(name, value, self.args, self._start_pos)
             if keep:
                 self._seen[name] = value
-            whole = value
-            if self.plan is not None and (record or derived) and spec(name).rank_local:
-                from model.parallel import gather_heads
-
-                whole = gather_heads(value, self.plan, layer_site(name)[0])  # all heads (a collective on every rank)
             if record:
+                whole = value
+                if self.plan is not None and spec(name).rank_local:
+                    from model.parallel import gather_heads
+
+                    whole = gather_heads(value, self.plan, layer_site(name)[0])  # all heads (a collective on every rank)
                 self.values[name] = _to_cpu(whole, module.shape)
-            if derived:
+            if derived:  # from this rank's heads: the means over heads add the ranks' sums (Ranks.heads_mean)
                 with one_dense():  # the recall and the KL of a block share one dense softmax
                     for target in derived:
-                        if (got := self._derive(target, whole)) is not None:  # None: the site has no value here
+                        if (got := self._derive(target, value)) is not None:  # None: the site has no value here
                             self.values[target] = got
             return None if value is output else value
 
@@ -339,7 +360,10 @@ class Tracer:
         def read(suffix: str, back: int = 0) -> torch.Tensor | None:  # back=1: the block before's (None before block 0)
             return self._seen[site_name(layer - back, suffix)] if layer - back >= 0 else None
 
-        return spec(target).derive(value, read)
+        def heads_mean(x: torch.Tensor, dim: int) -> torch.Tensor:
+            return self._ranks.heads_mean(x, layer, dim)
+
+        return spec(target).derive(value, read, heads_mean)
 
 
 def _to_cpu(value: torch.Tensor, legend: str) -> torch.Tensor:

@@ -149,13 +149,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(out: Path, cases: dict[str, Path]) -> None:
+def run_two_ranks(out: Path, cases: dict[str, Path], script: Path = Path(__file__)) -> None:
+    """``script OUT NAME=CHECKPOINT ...`` on two gloo ranks, as torchrun starts them (this file's worker by default)."""
     port = _free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
         env.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        cmd = [sys.executable, __file__, str(out), *(f"{k}={v}" for k, v in cases.items())]
+        cmd = [sys.executable, str(script), str(out), *(f"{k}={v}" for k, v in cases.items())]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for p in procs:

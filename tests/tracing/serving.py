@@ -41,3 +41,33 @@ def in_process(checkpoint: str) -> Iterator[tuple[TestClient, State, Loaded]]:
 def post(client: TestClient, request: TraceRequest):
     body, kind = encode_request(request)
     return client.post("/trace", content=body, headers={"content-type": kind})
+
+
+@contextmanager
+def listening(checkpoint: str) -> Iterator[tuple[str, State, Loaded]]:
+    """(URL, server state, loaded model): the same server as :func:`in_process`, listening on a
+    loopback port (uvicorn on a thread) with the facts `serve` tells, so a command line's
+    ``--server URL`` and tracing.client reach it as they reach `python -m tracing serve`."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from tracing.cli.serve import _facts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with in_process(checkpoint) as (_, state, loaded):
+        state.token, state.facts = None, _facts(loaded, 1, state.limits)
+        server = uvicorn.Server(uvicorn.Config(make_app(state), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            yield f"http://127.0.0.1:{port}", state, loaded
+        finally:
+            server.should_exit = True
+            thread.join(10)

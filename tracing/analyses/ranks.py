@@ -39,6 +39,22 @@ class Ranks:
         dist.all_reduce(value, group=self.plan.group)
         return value
 
+    def own_heads(self, value: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+        """This rank's heads of ``value``, which holds every head of the block along ``dim`` (a
+        patch from a one-process trace): the contiguous range of heads the rank computes."""
+        if not self._split(block):
+            return value
+        n = value.shape[dim] // self.plan.world
+        return value.narrow(dim, self.plan.rank * n, n)
+
+    def heads_mean(self, value: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+        """The mean over every head of the block of ``value``, whose dim ``dim`` holds this rank's
+        heads: their sum here, the ranks' sums added (one all-reduce of the reduced value, never the
+        heads themselves), divided by the heads' count. In one process ``value.mean(dim)``."""
+        if not self._split(block):
+            return value.mean(dim)
+        return self.heads_sum(value.sum(dim), block) / (value.shape[dim] * self.plan.world)  # heads split evenly
+
     @property
     def vocab_split(self) -> bool:
         return self.plan is not None and "head.weight" in self.plan.parts

@@ -5,14 +5,15 @@ distribution is MLA's softmax of the scaled logits (``attn.scores``) under the c
 head, formed in float32 from the logits as they are (widened exactly, then masked); its
 probabilities are gathered at the K selected keys and added, so no (T, S) mask of the selection is
 built or multiplied in. The recall and the KL read the same dense distribution: inside
-:func:`one_dense` it is formed once per scores tensor.
+:func:`one_dense` it is formed once per scores tensor. Under tensor parallelism each rank forms it
+for its own heads only, and the means over heads add the ranks' sums (the tracer's derived sites).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -73,12 +74,16 @@ def _mask_causal(scores: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill_(~causal.view(shape), float("-inf"))
 
 
-def indexer_kl(scores: torch.Tensor, index_scores: torch.Tensor) -> torch.Tensor:
+def indexer_kl(
+    scores: torch.Tensor, index_scores: torch.Tensor, heads_mean: Callable[[torch.Tensor, int], torch.Tensor] = torch.mean
+) -> torch.Tensor:
     """Per query, KL(p || q) in nats: p the dense attention distribution (softmax of the scaled logits
     under the causal mask, mean over heads), q the indexer's (softmax of its scores over the keys it
     may see): what the indexer was trained to make small. ``scores`` (B, T, H, S), ``index_scores``
-    (B, T, S) with -inf where masked; returns (B, T) float32."""
-    p = dense_attention(scores).mean(dim=2)  # (B, T, S)
+    (B, T, S) with -inf where masked; returns (B, T) float32. ``heads_mean(x, dim)``: the mean over
+    the heads (under tensor parallelism ``scores`` holds this rank's heads, and the mean adds the
+    other ranks' sums: tracing.analyses.ranks.Ranks.heads_mean)."""
+    p = heads_mean(dense_attention(scores), 2)  # (B, T, S)
     log_q = index_scores.float().log_softmax(dim=-1)  # (B, T, S)
     positive = p > 0
     # the keys of p = 0 (after the query: about half) take log(1), not log of a subnormal (ten times slower)

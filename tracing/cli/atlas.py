@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from .inputs import add_intervention_flags, finite, integer, intervention_spec, named_path
-from .loading import add_device_options, add_source_options
+from .loading import add_device_options, add_source_options, refuse_server
 
 
 def add_parser(sub) -> None:
@@ -19,6 +19,11 @@ def add_parser(sub) -> None:
         "bias effect, indexer reach, recall and sinks (Parquet tables and summary.json)",
     )
     add_source_options(atlas, "synthetic weights of this config (needs --tokenizer)")
+    refuse_server(
+        atlas,
+        "the atlas counts routing and attention with hooks on batches of a corpus on a model loaded here "
+        "(under torchrun, split over the ranks with --parallel model), not one traced request at a time: give --checkpoint",
+    )
     atlas.add_argument(
         "--tokenizer", type=named_path, metavar="DIR", help="with --synthetic: a directory with tokenizer.json, or 'demo'"
     )

@@ -35,6 +35,7 @@ from .loading import (
     open_from_args,
     parse_device,
     parse_dtype,
+    refuse_server,
     resolve_checkpoint,
 )
 from .progress import ProgressBar, stream_bar
@@ -154,7 +155,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
     frames = tables(trace) if rank0 and args.csv else {}
     if args.causal is not None:
-        frames["causal"] = _causal(loaded, request, trace, args.causal, rank0)
+
+        def again(changed: TraceRequest) -> Trace:
+            return run(loaded.model, changed, loaded.tokenizer, device=loaded.device, context=loaded.context(), plan=loaded.plan)
+
+        frames["causal"] = _causal(again, request, trace, args.causal, rank0)
     if rank0:
         with Outputs() as out:  # the trace and its tables land together or not at all
             out.file(args.out, trace.to_bytes())
@@ -180,14 +185,11 @@ def said(trace: Trace, args: argparse.Namespace) -> str:
     return line + f"; {args.out}" + (f", tables in {args.csv}" if args.csv else "")
 
 
-def _causal(loaded, request: TraceRequest, trace: Trace, n: int, report: bool):
+def _causal(again, request: TraceRequest, trace: Trace, n: int, report: bool):
     """``run --attribute --causal N``: the N largest parts removed at the attributed position, each
-    measured (tracing.analyses.causal); one line on stderr gives the correlation."""
+    measured by ``again`` (a run of the changed request: here, or on the server) as
+    tracing.analyses.causal does it; one line on stderr gives the correlation."""
     from ..analyses.causal import causal_check
-    from ..runner import run
-
-    def again(changed: TraceRequest) -> Trace:
-        return run(loaded.model, changed, loaded.tokenizer, device=loaded.device, context=loaded.context(), plan=loaded.plan)
 
     table = causal_check(again, request, n, trace)
     if report:
@@ -200,18 +202,23 @@ def _causal(loaded, request: TraceRequest, trace: Trace, n: int, report: bool):
     return table
 
 
+def refuse_local_flags(args: argparse.Namespace) -> None:
+    """With ``--server``: the flags that load a model here say nothing to the server's model."""
+    given = (("--stream", args.stream), ("--n-layers", args.n_layers is not None), ("--no-mtp", args.no_mtp))
+    local = [flag for flag, on in given if on]
+    if args.device != "cpu" or args.dtype != "bfloat16":
+        local.append("--device/--dtype")
+    if local:
+        raise InputError(f"{', '.join(local)}: the server's model runs as it was started (python -m tracing serve ...)")
+
+
 def _run_on_server(args: argparse.Namespace, request: TraceRequest) -> int:
     """``run --server``: the server runs the request; the same outputs are written here."""
     from ..client import Client, read_token_file
     from ..tables import stage_tables, tables
     from .output import Outputs
 
-    given = (("--stream", args.stream), ("--n-layers", args.n_layers is not None), ("--causal", args.causal is not None))
-    local = [flag for flag, on in given if on]
-    if args.device != "cpu" or args.dtype != "bfloat16":
-        local.append("--device/--dtype")
-    if local:
-        raise InputError(f"{', '.join(local)}: the server's model runs as it was started (python -m tracing serve ...)")
+    refuse_local_flags(args)
     draw = sys.stderr.isatty()
     progress = ProgressBar(1, enabled=draw)
 
@@ -226,15 +233,18 @@ def _run_on_server(args: argparse.Namespace, request: TraceRequest) -> int:
 
     with Client(args.server, read_token_file(args.token_file)) as client:
         data = client.trace_bytes(request, show)
-    progress.close()
-    trace = Trace.from_bytes(data, args.server)
-    if bad := trace.extra.get("nonfinite"):
-        at = "" if bad["position"] is None else f" at position {bad['position']}"
-        print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
+        progress.close()
+        trace = Trace.from_bytes(data, args.server)
+        if bad := trace.extra.get("nonfinite"):
+            at = "" if bad["position"] is None else f" at position {bad['position']}"
+            print(f"warning: non-finite values from {bad['site']}{at} on (recorded in the trace's metadata)", file=sys.stderr)
+        frames = tables(trace) if args.csv else {}
+        if args.causal is not None:  # each removal one more request to the same server
+            frames["causal"] = _causal(client.trace, request, trace, args.causal, True)
     with Outputs() as out:  # the server's bytes as they came: the file run writes in one process
         out.file(args.out, data)
         if args.csv:
-            stage_tables(out, tables(trace), args.csv, parquet=args.parquet)
+            stage_tables(out, frames, args.csv, parquet=args.parquet)
     print(said(trace, args), file=sys.stderr)
     return 0
 
@@ -481,6 +491,11 @@ def build_parser() -> argparse.ArgumentParser:
     dif.add_argument("--csv", type=named_path, help=f"write the comparison tables as CSV into this directory{_REUSED}")
     dif.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
     add_device_options(dif)
+    refuse_server(
+        dif,
+        "a server holds one model, and diff compares two: trace the prompt on each with "
+        "'run --server URL --out A.safetensors', then 'diff A.safetensors B.safetensors'",
+    )
     dif.set_defaults(func=cmd_diff)
 
     exp = sub.add_parser("export", help="write a trace's tables as CSV (and Parquet)")
@@ -502,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="bfloat16")
     add_intervention_flags(ev, positions=False)
+    refuse_server(
+        ev,
+        "eval tokenizes the whole text and scores batches of windows of it on a model loaded here, "
+        "and a server traces one prompt of at most its --max-prompt-tokens at a time: give --checkpoint",
+    )
     ev.set_defaults(func=cmd_eval)
 
     atlas_cli.add_parser(sub)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,21 @@ def add_source_options(parser, synthetic_help: str, server: bool = False) -> Non
     if server:
         src.add_argument("--server", metavar="URL", help="a model server (python -m tracing serve) runs it instead")
         parser.add_argument("--token-file", type=named_path, help="with --server: the file holding its bearer token")
+
+
+def refuse_server(parser, why: str) -> None:
+    """``--server`` on a command that cannot run on a model server: refused when given, with one
+    line saying why (status 2), rather than argparse's unknown-argument message."""
+    parser.add_argument("--server", action=_NoServer, why=why, metavar="URL", help=argparse.SUPPRESS)
+
+
+class _NoServer(argparse.Action):
+    def __init__(self, *args, why: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise InputError(f"{parser.prog} --server: {self.why}")
 
 
 def open_from_args(args, device, dtype, progress=None, split: bool = True, group=None) -> Loaded:

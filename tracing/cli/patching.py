@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import cached_property
 
 from ..errors import InputError
 from .inputs import integer, named_path
@@ -103,9 +104,11 @@ def _runner(args, needs_tokenizer: bool):
 
     if args.server is not None:
         from ..client import Client, read_token_file
+        from .commands import refuse_local_flags
 
+        refuse_local_flags(args)
         client = Client(args.server, read_token_file(args.token_file))
-        return (lambda request: client.trace(request)), None, client.close  # a target given as text: refused, give ids
+        return (lambda request: client.trace(request)), ServerTokens(client), client.close
     if args.token_file is not None:
         raise InputError("--token-file applies to --server")
     from .loading import open_from_args, parse_device, parse_dtype
@@ -118,3 +121,24 @@ def _runner(args, needs_tokenizer: bool):
         return run(loaded.model, request, loaded.tokenizer, device=loaded.device, context=loaded.context(), plan=loaded.plan)
 
     return local, loaded.tokenizer, lambda: None
+
+
+class ServerTokens:
+    """A model server's tokenizer as tracing.runner.token_id reads one: a ``--target`` or
+    ``--contrast`` given as text is encoded by the server (/encode), as the app's are."""
+
+    def __init__(self, client):
+        self.client = client
+
+    @cached_property
+    def bos_id(self) -> int | None:
+        return self.client.info()["config"].get("bos_token_id")
+
+    def token_id(self, text: str) -> None:
+        return None  # no lookup by name: the server's encoding reads special tokens in the text
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        from ..runner import TraceRequest
+
+        ids = self.client.encode(TraceRequest(prompt=text))
+        return ids[1:] if not add_bos and ids and ids[0] == self.bos_id else ids

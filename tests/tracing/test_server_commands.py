@@ -1,0 +1,75 @@
+"""Every command that traces writes through a model server what it writes on a model loaded here
+(`patching --server`, `run --server --attribute --causal N`), and the ones that cannot run on a
+server say why in one line. The server is the in-process one of tests/tracing/serving.py, listening
+on a loopback port, so the command line reaches it as it reaches `python -m tracing serve`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tracing.serving import listening
+from tracing.cli.commands import main
+from tracing.sites import select
+from tracing.trace import Trace
+
+CLEAN, CORRUPT = "The cat sat on the mat", "The dog sat on the mat"  # one token differs
+PROMPT = "It is a truth universally acknowledged"
+
+
+@pytest.fixture(scope="module")
+def server(app_checkpoint):
+    with listening(app_checkpoint) as (url, _, _):
+        yield url
+
+
+def test_patching_on_a_server_writes_the_local_table(server, app_checkpoint, tmp_path, capsys):
+    argv = ["patching", "--clean", CLEAN, "--corrupt", CORRUPT, "--sites", "heads,experts", "--positions", "last"]
+    argv += ["--target", " mat"]  # text, read by the server's tokenizer as by the local one
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--server", server, "--out", str(tmp_path / "remote")]) == 0
+    capsys.readouterr()
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert (remote / "patching.csv").read_bytes() == (local / "patching.csv").read_bytes()
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (local, remote))
+    assert {**a, "seconds": 0} == {**b, "seconds": 0} and a["runs"] > 10
+    assert main([*argv[:-2], "--target", "no such token", "--server", server, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--target 'no such token' is" in err and "\n" not in err and not (tmp_path / "x").exists()
+
+
+def test_run_causal_on_a_server_writes_the_local_trace_and_table(server, app_checkpoint, tmp_path, capsys):
+    argv = ["run", "--prompt", PROMPT, "--attribute", "--causal", "3"]
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "l.safetensors"), "--csv", str(local)]) == 0
+    assert main([*argv, "--server", server, "--out", str(tmp_path / "r.safetensors"), "--csv", str(remote)]) == 0
+    assert (tmp_path / "r.safetensors").read_bytes() == (tmp_path / "l.safetensors").read_bytes()
+    assert (remote / "causal.csv").read_bytes() == (local / "causal.csv").read_bytes()
+    assert capsys.readouterr().err.count("causal check: 3 parts removed") == 2
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["eval", "--checkpoint", "demo", "--text-file", "t.txt"], "--max-prompt-tokens"),
+        (["atlas", "--out", "atlas"], "batches of a corpus"),
+        (["diff", "a.safetensors", "b.safetensors"], "a server holds one model, and diff compares two"),
+        (["patching", "--clean-ids", "1,2", "--corrupt-ids", "1,3", "--out", "p", "--stream"], "--stream: the server's model"),
+    ],
+)
+def test_a_command_that_cannot_use_the_server_says_why_in_one_line(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--server", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+def test_what_a_run_records_reads_back_with_the_sites_read_together(app_checkpoint, tmp_path):
+    """A site recorded alone brings the rest of its group, so the file a run writes is one Trace.load reads."""
+    out = tmp_path / "t.safetensors"
+    argv = ["run", "--checkpoint", app_checkpoint, "--prompt", PROMPT, "--record", "next.topk_indices", "--out", str(out)]
+    assert main(argv) == 0
+    trace = Trace.load(out)
+    assert set(trace.tensors) == {"tokens", "next.topk_indices", "next.topk_probs"}
+    assert select(trace.config, "layers.1.attn.attribution") == ["layers.1.attn.attribution", "layers.1.ffn.attribution"]
