@@ -204,7 +204,12 @@ def _causal(again, request: TraceRequest, trace: Trace, n: int, report: bool):
 
 def refuse_local_flags(args: argparse.Namespace) -> None:
     """With ``--server``: the flags that load a model here say nothing to the server's model."""
-    given = (("--stream", args.stream), ("--n-layers", args.n_layers is not None), ("--no-mtp", args.no_mtp))
+    given = (
+        ("--stream", args.stream),
+        ("--n-layers", args.n_layers is not None),
+        ("--no-mtp", args.no_mtp),
+        ("--inexact-fp8-sums", args.inexact_fp8_sums),
+    )
     local = [flag for flag, on in given if on]
     if args.device != "cpu" or args.dtype != "bfloat16":
         local.append("--device/--dtype")

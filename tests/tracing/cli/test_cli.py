@@ -308,3 +308,23 @@ def test_run_says_what_it_did_in_one_line(tmp_path, capsys):
     assert line.startswith("traced 7 tokens; next token ' Wentworth' (p=") and line.endswith(str(out))
     assert main(["run", "--checkpoint", str(DEMO), "--prompt", "Anne", "--generate", "3", "--out", str(out)]) == 0
     assert "; wrote 3 (length): '" in capsys.readouterr().err
+
+
+def test_inexact_fp8_sums_are_asked_for_and_said(capsys, tiny_checkpoint, tmp_path):
+    """The default trace sums FP8 products as the kernel does and says nothing; --inexact-fp8-sums
+    runs the whole-K grouping in that command only and says so in the trace; a server's model runs
+    as it was started, so the flag is refused with --server."""
+    from model import fp8
+
+    ids = ["--token-ids", ",".join(map(str, range(2, 40)))]
+    code, _, err = run(capsys, "run", "--checkpoint", str(tiny_checkpoint), *ids, "--out", str(tmp_path / "a.safetensors"))
+    assert code == 0, err
+    code, _, err = run(
+        capsys, "run", "--checkpoint", str(tiny_checkpoint), *ids, "--inexact-fp8-sums", "--out", str(tmp_path / "b.safetensors")
+    )
+    assert code == 0, err
+    assert "fp8_sums" not in Trace.load(tmp_path / "a.safetensors").extra
+    assert Trace.load(tmp_path / "b.safetensors").extra["fp8_sums"] == fp8.INEXACT_SUMS
+    assert not fp8.sums_inexactly()  # the command's context ended with it
+    code, _, err = run(capsys, "run", "--server", "http://127.0.0.1:9", *ids, "--inexact-fp8-sums", "--out", str(tmp_path / "c"))
+    assert code == 2 and "--inexact-fp8-sums" in err and len(err.strip().splitlines()) == 1
