@@ -2,6 +2,7 @@
 
     python scripts/bench_forward.py                 # T in {128, 512}, float32 and bfloat16, 3 rounds
     python scripts/bench_forward.py --reps 11 --routes native --dtypes bfloat16 float32
+    python scripts/bench_forward.py --checkpoint demo --no-peer --old-tree /tmp/base   # the bundled demo, before and after
 
 A benchmark run by hand, not a test; it prints one JSON object on stdout (progress on stderr).
 
@@ -18,6 +19,11 @@ Models, each timed on a prefill of T random tokens (logits of the last position 
 * ``ours_bf16`` -- ``load_model(bf16 checkpoint, dtype=...)``: the same weights in bfloat16.
 * ``peer``      -- ``DeepseekV32ForCausalLM.from_pretrained(bf16 checkpoint, dtype=...)`` (transformers),
   called with ``use_cache=False, logits_to_keep=1``.
+* ``ours_fp8_inexact`` -- ``ours_fp8`` inside ``model.fp8.inexact_sums()``: its FP8 products summed over the
+  whole K at once, not per 128-wide block as the kernel (``speedup_vs_exact``: what the faithful sum costs).
+
+``--checkpoint DIR`` (or ``demo``) times that checkpoint's FP8 model instead (``ours_fp8``, its inexact
+variant and ``old_fp8``; no bf16 copy, no peer).
 
 Timing: per activation dtype the models are loaded and each runs once to warm up (FP8 weight caches,
 allocator); then per T up to ``--reps`` rounds (at least one; fewer when the ``--budget-s`` share of
@@ -273,6 +279,16 @@ def indexer_layer0(ours, peer, ids: torch.Tensor, index_topk: int) -> dict:
     }
 
 
+def inexact(run: callable) -> callable:
+    """``run`` with its FP8 products summed over the whole K (model.fp8.inexact_sums)."""
+
+    def whole_k(ids):
+        with fp8.inexact_sums():
+            return run(ids)
+
+    return whole_k
+
+
 @contextlib.contextmanager
 def no_kv_fp8():
     """Our MLA without the reference's FP8 rounding of the KV latent (this process only)."""
@@ -322,6 +338,8 @@ def time_cell(fns: dict, ids: torch.Tensor, reps: int, budget_s: float) -> tuple
     for name in names:  # this tree against the old one, form by form
         if name.startswith("old_") and (new := name.replace("old_", "ours_", 1)) in wall:
             cell[new]["speedup_vs_old"] = median_ratio(wall[name], wall[new])
+        if "_inexact" in name and (exact := name.replace("_inexact", "")) in wall:
+            cell[name]["speedup_vs_exact"] = median_ratio(wall[exact], wall[name])
     if "peer" in wall:
         for name in names:
             if name == "peer":
@@ -341,6 +359,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS}: this machine's cores)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the two checkpoints are written/reused")
     parser.add_argument("--no-peer", action="store_true", help="time our model only")
+    parser.add_argument("--checkpoint", help="time this FP8 checkpoint directory (or demo) instead of the mid-size pair")
     parser.add_argument(
         "--old-tree", type=Path, help="also time the model of this checkout (the tree before a change): old_fp8, old_bf16"
     )
@@ -381,9 +400,16 @@ def main() -> None:
         },
         "config": args.to_reference(),
     }
-    log(f"checkpoints in {workdir}")
-    ckpt = make_checkpoints(args, workdir, SEED)
-    ckpt["same_weights"] = "bf16 checkpoint = the FP8 checkpoint's weights dequantised (exact); the peer and ours_bf16 read it"
+    if opts.checkpoint:
+        ckpt = {"fp8": str(REPO / "assets" / "demo") if opts.checkpoint == "demo" else opts.checkpoint}
+        args = ModelArgs.from_file(Path(ckpt["fp8"]) / "config.json")
+        result["config"] = args.to_reference()
+    else:
+        log(f"checkpoints in {workdir}")
+        ckpt = make_checkpoints(args, workdir, SEED)
+        ckpt["same_weights"] = (
+            "bf16 checkpoint = the FP8 checkpoint's weights dequantised (exact): the peer and ours_bf16 read it"
+        )
     result["checkpoints"] = ckpt
     gen = torch.Generator().manual_seed(SEED)
     inputs = {t: torch.randint(0, args.vocab_size, (1, t), generator=gen) for t in sorted(opts.tokens)}
@@ -397,10 +423,11 @@ def main() -> None:
     for dname in opts.dtypes:
         dtype = DTYPES[dname]
         log(f"loading models ({dname})")
-        models = {"ours_fp8": load_model(ckpt["fp8"], dtype=dtype), "ours_bf16": load_model(ckpt["bf16"], dtype=dtype)}
+        forms = ["fp8"] if opts.checkpoint else ["fp8", "bf16"]
+        models = {f"ours_{form}": load_model(ckpt[form], dtype=dtype) for form in forms}
         if old is not None:
-            models.update(old_fp8=old[0](ckpt["fp8"], dtype=dtype), old_bf16=old[0](ckpt["bf16"], dtype=dtype))
-        if not opts.no_peer:
+            models.update({f"old_{form}": old[0](ckpt[form], dtype=dtype) for form in forms})
+        if not opts.no_peer and not opts.checkpoint:
             peer, peer_info = load_peer(Path(ckpt["bf16"]), dtype)
             result.setdefault("peer", peer_info)
             if peer is not None:
@@ -418,6 +445,8 @@ def main() -> None:
             for name, m in models.items():
                 for route in [None] if name == "peer" else routes:
                     fns[name if route is None else f"{name}@{route}"] = fn(name, m, route == "native")
+        for name in [n for n in fns if n.startswith("ours_fp8")]:  # the same model, FP8 sums over the whole K
+            fns[name.replace("ours_fp8", "ours_fp8_inexact")] = inexact(fns[name])
         warm = inputs[min(inputs)]
         log(f"{dname}: warm-up (T={warm.shape[1]}) of {', '.join(fns)}")
         with torch.inference_mode():
@@ -472,6 +501,15 @@ def main() -> None:
     }
     if versus_old:
         result["summary_speedup_vs_old"] = versus_old  # old time / new time: > 1, this tree is faster
+    versus_exact = {
+        f"{name} {dname} T={t}": row["speedup_vs_exact"]
+        for dname, cells in result["results"].items()
+        for t, cell in cells.items()
+        for name, row in cell.items()
+        if "speedup_vs_exact" in row
+    }
+    if versus_exact:
+        result["summary_inexact_sums_speedup"] = versus_exact  # exact time / whole-K time: > 1, the inexact sums are faster
     result["environment"]["load_average_end"] = load_average()
     result["wall_s"] = round(time.perf_counter() - wall, 1)
     print(json.dumps(result, indent=1))
