@@ -492,24 +492,17 @@ def main() -> None:
         result["target_met_current_model"] = all(
             v["speedup_vs_peer"] >= 1.0 for k, v in verdict.items() if "_proto" not in k.split()[0]
         )
-    versus_old = {
-        f"{name} {dname} T={t}": row["speedup_vs_old"]
-        for dname, cells in result["results"].items()
-        for t, cell in cells.items()
-        for name, row in cell.items()
-        if "speedup_vs_old" in row
-    }
-    if versus_old:
-        result["summary_speedup_vs_old"] = versus_old  # old time / new time: > 1, this tree is faster
-    versus_exact = {
-        f"{name} {dname} T={t}": row["speedup_vs_exact"]
-        for dname, cells in result["results"].items()
-        for t, cell in cells.items()
-        for name, row in cell.items()
-        if "speedup_vs_exact" in row
-    }
-    if versus_exact:
-        result["summary_inexact_sums_speedup"] = versus_exact  # exact time / whole-K time: > 1, the inexact sums are faster
+    # old time / new time (> 1: this tree is faster); exact time / whole-K time (> 1: the inexact sums are faster)
+    for key, summary in (("speedup_vs_old", "summary_speedup_vs_old"), ("speedup_vs_exact", "summary_inexact_sums_speedup")):
+        ratios = {
+            f"{name} {dname} T={t}": row[key]
+            for dname, cells in result["results"].items()
+            for t, cell in cells.items()
+            for name, row in cell.items()
+            if key in row
+        }
+        if ratios:
+            result[summary] = ratios
     result["environment"]["load_average_end"] = load_average()
     result["wall_s"] = round(time.perf_counter() - wall, 1)
     print(json.dumps(result, indent=1))
