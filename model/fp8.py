@@ -235,21 +235,80 @@ def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tenso
     return y.to(r.dtype).reshape(*lead, -1)
 
 
-def blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's order: each 128-wide block's float32 partial product times (activation scale x
-    weight scale), added to the float32 sum block by block.
+def blockwise(
+    codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, product=None
+) -> torch.Tensor:
+    """The kernel's order: each 128-wide block's float32 partial product (:func:`block_product`)
+    times (activation scale x weight scale), added to the float32 sum block by block. ``product``
+    forms the partial products (default :func:`block_product`; the CPU route threads it).
 
     codes (M, K) fp8, a_scale (M, K/128), w_codes (N, K) float32, w_scale (N/128, K/128).
     """
     m, k = codes.shape
     n = w_codes.shape[0]
-    a = codes.float()
+    a = padded_rows(codes.float())
+    product = product or block_product
     b_scale = w_scale.repeat_interleave(BLOCK, 0)[:n]  # (N, K/128): each row's block scale
     out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
     for kb in range(k // BLOCK):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
-        out += torch.matmul(a[:, cols], w_codes[:, cols].t()) * (a_scale[:, kb, None] * b_scale[None, :, kb])  # (M, N)
+        out += product(a[:, cols], w_codes[:, cols])[:m] * (a_scale[:, kb, None] * b_scale[None, :, kb])  # (M, N)
     return out
+
+
+# On the CPU a float32 product of at least this many rows sums each 128-term dot product in order
+# (one product after another); with fewer rows the BLAS may take other paths (on a 2-core EPYC:
+# other orders below 4 rows, and for 5-11 rows on two threads), so a row's value would depend on
+# how many rows share its product and on the thread count. The kernel's rows are independent.
+IN_ORDER_ROWS = 16
+
+
+def padded_rows(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (M, K) with zero rows added up to IN_ORDER_ROWS on the CPU (the values of the first M
+    rows of a product are then summed in order); as it is elsewhere."""
+    if a.device.type != "cpu" or a.shape[0] >= IN_ORDER_ROWS:
+        return a
+    return torch.cat([a, a.new_zeros(IN_ORDER_ROWS - a.shape[0], a.shape[1])])
+
+
+def block_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(M, 128) x (N, 128) -> (M, N) in float32, each output the sum of its 128 products (exact:
+    e4m3 times e4m3 fits float32) added one after another, as one dot product of the kernel's
+    block. On the CPU that is the BLAS's product where it sums in that order (checked once:
+    :func:`blas_sums_in_order`; ``a`` padded by :func:`padded_rows`), else formed term by term;
+    on a GPU the BLAS's product as it forms it."""
+    if a.device.type != "cpu" or blas_sums_in_order():
+        return torch.matmul(a, w.t())
+    return in_order(a, w)
+
+
+def in_order(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The in-order sum of :func:`block_product`, term by term (slow: one pass over (M, N) per term)."""
+    out = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
+    for j in range(a.shape[1]):
+        out += a[:, j, None] * w[None, :, j]  # each product exact in float32, then one rounding of the sum
+    return out
+
+
+def blas_sums_in_order() -> bool:
+    """Whether this CPU's float32 BLAS product of IN_ORDER_ROWS or more rows and 128-wide blocks
+    sums each dot product in order, at the calling thread's thread count: tried once per count."""
+    return _sums_in_order(torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=16)
+def _sums_in_order(threads: int) -> bool:
+    """The check of :func:`blas_sums_in_order` (``threads``: the count it holds for), on e4m3 values
+    whose float32 sums round (every finite code, subnormals among them), against :func:`in_order`."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    codes = codes[~codes.isnan()]
+    for rows, n in ((IN_ORDER_ROWS, 256), (IN_ORDER_ROWS + 1, 128), (33, 576)):
+        a = codes[torch.randint(0, len(codes), (rows, BLOCK), generator=gen)]
+        w = codes[torch.randint(0, len(codes), (n, BLOCK), generator=gen)]
+        if not torch.equal(torch.matmul(a, w.t()), in_order(a, w)):
+            return False
+    return True
 
 
 INDEX_CHUNK = 256  # queries per step of fp8_index: bounds its (M, N, H) float32 intermediate

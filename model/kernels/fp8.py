@@ -138,16 +138,12 @@ def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
 
 def blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """model.fp8.blockwise, each block's product threaded, the FP8 codes decoded by table."""
-    m, k = codes.shape
-    n = w_codes.shape[0]
-    a = to_float(codes)
-    b_scale = w_scale.repeat_interleave(BLOCK, 0)[:n]  # (N, K/128): each row's block scale
-    out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
-    for kb in range(k // BLOCK):
-        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
-        partial = threaded(m * n * BLOCK, torch.matmul, a[:, cols], w_codes[:, cols].t())  # (M, N)
-        out += partial * (a_scale[:, kb, None] * b_scale[None, :, kb])
-    return out
+    m, n = codes.shape[0], w_codes.shape[0]
+
+    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # rows padded: at least IN_ORDER_ROWS
+        return threaded(max(m, fp8.IN_ORDER_ROWS) * n * BLOCK, fp8.block_product, a, w)
+
+    return fp8.blockwise(to_float(codes), a_scale, w_codes, w_scale, product)
 
 
 def fp8_index(

@@ -158,3 +158,33 @@ def test_act_quant_divides_in_float32_whatever_the_input_dtype():
         codes, scale = fp8.act_quant(x, fmt)
         codes32, scale32 = fp8.act_quant(x.float(), fmt)
         assert torch.equal(codes.view(torch.uint8), codes32.view(torch.uint8)) and torch.equal(scale, scale32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(threads):
+    """The kernel forms each output row alone; a CPU BLAS sums a product of a few rows in other
+    orders (on a 2-core EPYC below 4 rows, and 5-11 rows on two threads), so a decode step's row
+    would differ from the same row in a prefill. Each block's float32 partial is the in-order sum
+    of its 128 products, whatever the rows beside it, the thread count or the route."""
+    gen = torch.Generator().manual_seed(4)
+    w, s = fp8.weight_quant(torch.randn(1536, 512, generator=gen) * 0.05, "ue8m0")
+    r = fp8.Rounded.of(torch.randn(20, 512, generator=gen), "ue8m0")  # float32 activations: float32 outputs
+    partial = torch.zeros(20, 4, 1536)  # each block's sum, term by term, in order
+    for kb in range(4):
+        for j in range(kb * 128, (kb + 1) * 128):
+            partial[:, kb] += r.codes[:, j, None].float() * w[None, :, j].float()
+    want = torch.zeros(20, 1536)
+    for kb in range(4):
+        want += partial[:, kb] * (r.scale[:, kb, None] * s.repeat_interleave(128, 0)[:, kb][None, :])
+    lin = Linear(512, 1536, fp8.FP8, scale_fmt="ue8m0")
+    lin.weight.data, lin.scale.data = w, s
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            assert fp8.blas_sums_in_order()
+            for m in (1, 2, 3, 5, 7, 9, 11, 16, 20):
+                assert torch.equal(fp8.fp8_gemm(r[:m], w, s, "ue8m0"), want[:m]), m
+                assert torch.equal(lin(r[:m]), want[:m]), m  # the CPU route
+    finally:
+        torch.set_num_threads(before)
