@@ -21,7 +21,7 @@ from model.hooks import Hooks
 from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
-from .analyses.interventions import Intervention, Replace, during, replaced, replacements_of
+from .analyses.interventions import Intervention, Replace, check_patch, during, replaced, replacements_of
 from .analyses.ranks import Ranks
 from .analyses.recall import one_dense
 from .errors import InputError
@@ -172,8 +172,7 @@ class Tracer:
         for name, value in self.patches.items():
             if name not in points:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise InputError(f"patch {name!r} holds NaN or infinite values")
+            check_patch(name, value)
             if self.plan is not None and spec(name).rank_local and self.plan.world > 1:
                 raise InputError(f"patch {name!r}: per-head attention values cannot be patched under tensor parallelism")
         replacers = replacements_of(self.interventions, self.args, points)
