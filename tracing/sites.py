@@ -751,7 +751,7 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
         patterns = "default"
     if isinstance(patterns, str):
         patterns = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen: list[str] = []
+    chosen: dict[str, None] = {}  # in the order first matched, each once
     for pattern in patterns:
         if pattern == "default":
             matched = list(_default_sites(args))
@@ -767,7 +767,7 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
                 raise InputError(f"--record pattern {pattern!r}: {INDEXER_MISSING}")
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
-        chosen.extend(m for m in matched if m not in chosen)
+        chosen.update(dict.fromkeys(matched))
     return sorted(chosen, key=site_order)
 
 
