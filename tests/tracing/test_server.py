@@ -25,11 +25,12 @@ from starlette.testclient import TestClient
 from tests.tracing.serving import TOKEN, in_process, post
 from tracing.cli.commands import main
 from tracing.runner import TraceRequest, run
-from tracing.server.wire import read_answer
+from tracing.server.wire import encode_request, read_answer
 from tracing.trace import Trace
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "It is a truth universally acknowledged, that a single man"
+JSON = {"content-type": "application/json"}
 
 
 def free_port() -> int:
@@ -85,6 +86,50 @@ def test_a_bad_request_gets_one_line_and_the_server_goes_on(served, body, kind, 
     answer = client.post("/trace", content=body, headers={"content-type": kind})
     assert answer.status_code == status and words in answer.json()["error"]
     assert "\n" not in answer.json()["error"]
+    good = post(client, TraceRequest(token_ids=(1, 2, 3)))
+    assert good.status_code == 200 and read_answer(iter([good.content]))
+
+
+# values the CLI refuses, each of which once ended every rank or ran as another value
+BAD_VALUES = {
+    "subnormal temperature": ({"generate": 2, "temperature": 1e-320}, "--temperature must be 0 (greedy) or a finite number"),
+    "no_bias text": ({"interventions": {"no_bias": "x"}}, "no_bias: expected"),
+    "no_bias object": ({"interventions": {"no_bias": {"a": 1}}}, "no_bias: expected"),
+    "no_bias number": ({"interventions": {"no_bias": 5}}, "no_bias: expected"),
+    "unknown intervention": ({"interventions": {"a": 1}}, "unknown intervention 'a'"),
+    "attention list": ({"interventions": {"attention": [1]}}, "attention: expected"),
+    "attention infinite": ({"interventions": {"attention": float("inf")}}, "attention: expected"),
+    "attention fraction": ({"interventions": {"attention": 2.7}}, "attention: expected"),
+    "ablate null ids": ({"interventions": {"ablate": {"1": None}}}, "blocks and ids must be integers"),
+    "100,000 patterns": ({"record": ["*"] * 100_000}, "this server takes at most 64"),
+    "a long pattern": ({"record": ["layers.*" + "*" * 300]}, "at most 200"),
+}
+
+
+def bad_value(case: str, hidden: int) -> tuple[bytes, str, str]:
+    """(body, content type, words of the error) of a request with one bad value."""
+    if case == "float8 patch":
+        patch = {"layers.0.resid_pre": torch.zeros(3, hidden).to(torch.float8_e4m3fn)}
+        return *encode_request(TraceRequest(token_ids=(1, 2, 3), patches=patch)), "is float8_e4m3fn: a patch holds float32"
+    fields, words = BAD_VALUES[case]
+    body = json.dumps({"prompt": "It is a truth", **fields})  # Infinity where the JSON says so, as a client may send it
+    return body.encode(), "application/json", words
+
+
+def refused_before_queueing(answer, words: str) -> None:
+    """A 4xx with one line, a plain JSON answer: the request never reached the queue, nor a rank."""
+    assert 400 <= answer.status_code < 500 and answer.headers["content-type"] == "application/json", answer.content[:300]
+    error = answer.json()["error"]
+    assert words in error and "\n" not in error and len(error) < 300
+
+
+@pytest.mark.parametrize("case", [*BAD_VALUES, "float8 patch"])
+def test_a_bad_value_is_one_line_before_the_queue(served, case):
+    client, state, loaded = served
+    body, kind, words = bad_value(case, loaded.model.args.dim)
+    ran = state.model.requests
+    refused_before_queueing(client.post("/trace", content=body, headers={"content-type": kind}), words)
+    assert state.model.requests == ran  # the model never saw it
     good = post(client, TraceRequest(token_ids=(1, 2, 3)))
     assert good.status_code == 200 and read_answer(iter([good.content]))
 
@@ -197,6 +242,46 @@ def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_ch
             torch.testing.assert_close(a[name], b[name], rtol=2**-7, atol=1e-5, equal_nan=True)
         else:
             assert torch.equal(a[name], b[name]), name  # selections, tokens, the prefill's default sites: exactly
+
+
+def test_bad_values_on_two_ranks_are_refused_and_the_ranks_serve_on(two_ranks):
+    hidden = httpx.get(f"{two_ranks}/info", timeout=30).json()["config"]["hidden_size"]
+    for case in [*BAD_VALUES, "float8 patch"]:
+        body, kind, words = bad_value(case, hidden)
+        refused_before_queueing(httpx.post(f"{two_ranks}/trace", content=body, headers={"content-type": kind}, timeout=30), words)
+    good = httpx.post(f"{two_ranks}/trace", content=b'{"token_ids": [1, 2, 3], "generate": 1}', headers=JSON, timeout=60)
+    assert Trace.from_bytes(read_answer(iter([good.content]))).extra["generation"]["generated"] == 1
+
+
+def answer_lines(url: str, body: bytes) -> list[dict]:
+    """The event lines of an answer that ends in an error (one JSON object each)."""
+    answer = httpx.post(f"{url}/trace", content=body, headers=JSON, timeout=60)
+    assert answer.status_code == 200
+    return [json.loads(line) for line in answer.content.splitlines() if line]
+
+
+def test_one_rank_failing_mid_request_is_one_line_and_the_next_request_runs(app_checkpoint):
+    # rank 1 raises in its 1st request at block 1, runs out of memory in its 3rd at block 2, and
+    # fails inside block 1 (between the model's collectives) in its 5th
+    faults = {"ANATOMY_SERVER_FAULTS": "1:1:1:error,1:3:2:oom,1:5:1:mid"}
+    proc, url = start(["--checkpoint", app_checkpoint, "--collective-timeout", "3"], ranks=2, env=faults)
+    body = b'{"token_ids": [1, 2, 3, 4], "generate": 2}'
+    try:
+        failures = ((500, "rank 1: RuntimeError: injected fault in request 1 at block 1"), (503, "rank 1: out of memory"))
+        for status, words in failures:
+            *progress, last = answer_lines(url, body)
+            assert last["status"] == status and words in last["error"] and not any("error" in e for e in progress)
+            good = Trace.from_bytes(read_answer(iter([httpx.post(f"{url}/trace", content=body, headers=JSON).content])))
+            assert good.extra["generation"]["generated"] == 2  # the ranks are in step: the next request runs
+        started = time.monotonic()
+        *waiting, last = answer_lines(url, body)  # rank 0 waits in the FFN's collective until it times out
+        assert last["status"] == 500 and "injected fault in request 5" in last["error"] and "out of step" in last["error"]
+        assert any("heartbeat" in e for e in waiting)  # a line every 2 s while the request could not go on
+        proc.wait(30)  # the server ends by itself, with the reason
+        assert proc.returncode != 0 and time.monotonic() - started < 30
+    finally:
+        log = stop(proc)
+    assert "error: rank 0 stops: rank 1: RuntimeError: injected fault in request 5" in log, log[-3000:]
 
 
 def test_the_python_client_and_a_client_killed_mid_generation(two_ranks, tmp_path):

@@ -4,9 +4,10 @@ A request is a :class:`~tracing.runner.TraceRequest` in its JSON form, sent as `
 one with patches is a safetensors file (``application/x-safetensors``) whose tensors are the
 patches and whose metadata holds the request's JSON under ``request``. The answer streams
 (``application/x-ndjson``): one JSON object a line while the request waits and runs (``queued``:
-its place; ``progress``: block i of n, step j of N), then ``{"trace": N}`` followed by the trace
-file's N bytes, or ``{"error": "...", "status": 4xx}``. A request refused before it is queued gets
-a plain JSON answer ``{"error": "..."}`` with its 4xx status.
+its place; ``progress``: block i of n, step j of N; ``heartbeat``: the seconds since it came, when
+nothing else was sent for :data:`HEARTBEAT` seconds), then ``{"trace": N}`` followed by the trace
+file's N bytes, or ``{"error": "...", "status": 4xx or 5xx}``. A request refused before it is
+queued gets a plain JSON answer ``{"error": "..."}`` with its 4xx status.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ JSON = "application/json"
 SAFETENSORS = "application/x-safetensors"
 EVENTS = "application/x-ndjson"
 REQUEST_KEY = "request"  # the safetensors metadata key of the request's JSON
+HEARTBEAT = 2.0  # seconds: the longest an answer's stream stays silent while its request waits or runs
 
 
 class TooLarge(InputError):
@@ -42,6 +44,9 @@ class Limits:
     max_generate: int = 512
     max_seconds: float = 600.0
     max_queue: int = 8
+    # site patterns: each is matched against every site name (thousands for the 671B), before queueing
+    max_record_patterns: int = 64
+    max_pattern_chars: int = 200
 
     def describe(self) -> dict:
         return {
@@ -51,6 +56,8 @@ class Limits:
             "max_generate": self.max_generate,
             "max_seconds": self.max_seconds,
             "max_queue": self.max_queue,
+            "max_record_patterns": self.max_record_patterns,
+            "max_pattern_chars": self.max_pattern_chars,
         }
 
 
