@@ -101,6 +101,9 @@ BAD_VALUES = {
     "attention infinite": ({"interventions": {"attention": float("inf")}}, "attention: expected"),
     "attention fraction": ({"interventions": {"attention": 2.7}}, "attention: expected"),
     "ablate null ids": ({"interventions": {"ablate": {"1": None}}}, "blocks and ids must be integers"),
+    "a head the model lacks": ({"interventions": {"ablate_heads": "1:999"}}, "heads are numbered 0.."),
+    "a position past the run": ({"attribute": True, "position": 99}, "--position 99: the run has positions 0.."),
+    "prefill past the prompt": ({"prefill": 99}, "--prefill 99: must be between 1 and"),
     "100,000 patterns": ({"record": ["*"] * 100_000}, "this server takes at most 64"),
     "a long pattern": ({"record": ["layers.*" + "*" * 300]}, "at most 200"),
 }

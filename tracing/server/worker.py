@@ -146,7 +146,8 @@ class Model:
 
 def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     """Everything rank 0 can check before a request is queued (its token ids, as they will run)."""
-    from ..runner import check_token_ids, encode
+    from ..analyses.interventions import check_positions
+    from ..runner import attribution_of, check_prefill, check_token_ids, encode, interventions_of
 
     patterns = request.record
     if len(patterns) > limits.max_record_patterns:
@@ -161,6 +162,16 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
         raise InputError(f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens}")
     args = model.loaded.model.args
     check_token_ids(ids, args, None, request.generate)
+    n_positions = len(ids) + request.generate
+    if request.prefill is not None:
+        check_prefill(request.prefill, len(ids))
+    if (attribution := attribution_of(request, model.loaded.tokenizer)) is not None:
+        attribution.check(n_positions, args.vocab_size)
+    interventions, _ = interventions_of(request)
+    for intervention in interventions:  # their blocks, experts, heads and top-k against this model
+        intervention.replacements(args)
+        intervention.config(args)
+    check_positions(interventions, n_positions)
     select(args, list(request.record))  # a pattern that matches no site
     for name, value in (request.patches or {}).items():
         legend = site_legend(args, name)
