@@ -256,6 +256,38 @@ def test_bad_values_on_two_ranks_are_refused_and_the_ranks_serve_on(two_ranks):
     assert Trace.from_bytes(read_answer(iter([good.content]))).extra["generation"]["generated"] == 1
 
 
+def open_request(url: str, body: bytes, until: bytes) -> socket.socket:
+    """A client on a plain socket that sent ``body`` to /trace and read the answer up to ``until``."""
+    host, port = url.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)), timeout=30)
+    head = f"POST /trace HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    client.sendall(head.encode() + body)
+    seen = b""
+    while until not in seen:
+        seen += client.recv(4096)
+    return client
+
+
+def wait_for(url: str, ready, seconds: float = 30) -> dict:
+    deadline = time.monotonic() + seconds
+    while not ready(health := httpx.get(f"{url}/health", timeout=10).json()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return health
+
+
+def test_a_queued_request_whose_client_left_is_dropped(two_ranks):
+    running = open_request(two_ranks, b'{"token_ids": [1, 2, 3], "generate": 150}', b'"progress"')
+    queued = open_request(two_ranks, b'{"token_ids": [1, 2, 3]}', b'"queued"')
+    assert wait_for(two_ranks, lambda h: h["queue"] == 1)["running"]
+    queued.close()
+    health = wait_for(two_ranks, lambda h: h["queue"] == 0)
+    assert health["queue"] == 0 and health["running"]  # gone from the queue while the other still runs
+    running.close()
+    assert not wait_for(two_ranks, lambda h: not h["running"])["running"]
+    good = httpx.post(f"{two_ranks}/trace", content=b'{"token_ids": [1, 2, 3]}', headers=JSON, timeout=60)
+    assert Trace.from_bytes(read_answer(iter([good.content])))["tokens"].tolist() == [1, 2, 3]
+
+
 def answer_lines(url: str, body: bytes) -> list[dict]:
     """The event lines of an answer that ends in an error (one JSON object each)."""
     answer = httpx.post(f"{url}/trace", content=body, headers=JSON, timeout=60)

@@ -99,7 +99,7 @@ def outcome(exc: BaseException) -> tuple[int, str]:
 
 def _collective_failure(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(word in text for word in ("gloo", "nccl", "timed out"))
+    return isinstance(exc, RuntimeError) and any(word in text for word in ("gloo", "nccl"))  # gloo raises RuntimeError
 
 
 def _line(exc: BaseException) -> str:
@@ -142,8 +142,8 @@ class Ranks:
     # every rank's agreement --------------------------------------------------------------------
     def agree(self, code: int, reason: str = "") -> Verdict:
         """The outcome of this point of a request, the same on every rank (see the module's docstring)."""
-        if self.world == 1:
-            return Verdict(code, reason)
+        if self.world == 1:  # no collective to lose step in
+            return Verdict(FAILED if code == BROKEN else code, reason)
         both = torch.tensor([code, -code], dtype=torch.int64)
         self._collective(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = int(both[0]), -int(both[1])

@@ -247,9 +247,14 @@ def lead(model: Model, jobs: Queue, stopping: threading.Event, heartbeat: float 
             if job is None:
                 ranks.send(Kind.HEARTBEAT)
                 continue
-            jobs.running = job
             try:
                 data, content = encode_request(job.request)
+            except Exception as exc:  # noqa: BLE001 - checked, yet not sendable: this request's answer, not the server's end
+                verdict = Verdict(*outcome(exc))
+                job.emit({"error": verdict.reason, "status": verdict.status})
+                continue
+            jobs.running = job
+            try:
                 ranks.send(Kind.REQUEST, content, data)
                 verdict, trace = _run(model, ranks, job.request, job)
                 if verdict.code == DONE:
