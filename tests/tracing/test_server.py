@@ -25,6 +25,7 @@ from starlette.testclient import TestClient
 from tests.tracing.serving import TOKEN, in_process, post
 from tracing.cli.commands import main
 from tracing.runner import TraceRequest, run
+from tracing.server.ranks import Fault
 from tracing.server.wire import encode_request, read_answer
 from tracing.trace import Trace
 
@@ -135,6 +136,20 @@ def test_a_bad_value_is_one_line_before_the_queue(served, case):
     assert state.model.requests == ran  # the model never saw it
     good = post(client, TraceRequest(token_ids=(1, 2, 3)))
     assert good.status_code == 200 and read_answer(iter([good.content]))
+
+
+@pytest.mark.parametrize("kind, status, words", [("error", 500, "RuntimeError: injected fault"), ("oom", 503, "out of memory")])
+def test_a_failure_in_one_process_is_one_line_and_the_next_request_runs(served, kind, status, words):
+    client, state, loaded = served
+    state.model.faults = [Fault(state.model.requests + 1, 1, kind)]  # the next request, at block 1
+    try:
+        answer = post(client, TraceRequest(token_ids=(1, 2, 3), generate=1))
+        *events, last = [json.loads(line) for line in answer.content.splitlines()]
+        assert last["status"] == status and words in last["error"] and not any("error" in e for e in events)
+    finally:
+        state.model.faults = []
+    good = post(client, TraceRequest(token_ids=(1, 2, 3), generate=1))
+    assert Trace.from_bytes(read_answer(iter([good.content]))).extra["generation"]["generated"] == 1
 
 
 @pytest.mark.parametrize(
