@@ -137,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     broken = None
     try:
         loaded = open_from_args(args, device, dtype)
-        ranks = _ranks(distributed, args.collective_timeout)
+        ranks = _ranks(distributed, args.collective_timeout, loaded.device)
         model = Model(loaded, faults_from_env(rank))
         if rank == 0:
             http.ready(model, _facts(loaded, world, limits))
@@ -156,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1
 
 
-def _ranks(distributed, collective_timeout: float):
+def _ranks(distributed, collective_timeout: float, device):
     """The ranks' control group, once every rank has loaded its part (tracing.server.ranks); the
     model's collectives get the short timeout from here on."""
     import torch.distributed as dist
@@ -172,7 +172,7 @@ def _ranks(distributed, collective_timeout: float):
     # longer than the model's timeout: a rank that failed inside a block waits here until the others'
     # collective times out and they come to agree that the ranks are out of step
     group = dist.new_group(backend="gloo", timeout=2 * short + timedelta(seconds=10))
-    return Ranks(group, distributed.rank, distributed.world)
+    return Ranks(group, distributed.rank, distributed.world, device)
 
 
 def _facts(loaded, world: int, limits) -> dict:

@@ -108,10 +108,14 @@ def _line(exc: BaseException) -> str:
 
 
 class Ranks:
-    """Rank 0 and the others over the control ``group`` (None in one process: nothing to agree)."""
+    """Rank 0 and the others over the control ``group`` (None in one process: nothing to agree).
+    ``device``: where the model's collectives run; on a GPU each agreement waits for the work queued
+    there, so that a collective still pending (a rank that failed inside a block) is never agreed
+    over: it times out instead (under NCCL torch's watchdog then ends the process)."""
 
-    def __init__(self, group=None, rank: int = 0, world: int = 1):
+    def __init__(self, group=None, rank: int = 0, world: int = 1, device: torch.device | None = None):
         self.group, self.rank, self.world = group, rank, world
+        self.device = device if device is not None and device.type == "cuda" else None
 
     # rank 0's messages -------------------------------------------------------------------------
     def send(self, kind: Kind, content: str | None = None, data: bytes = b"") -> None:
@@ -144,6 +148,8 @@ class Ranks:
         """The outcome of this point of a request, the same on every rank (see the module's docstring)."""
         if self.world == 1:  # no collective to lose step in
             return Verdict(FAILED if code == BROKEN else code, reason)
+        if self.device is not None:
+            self._collective(torch.cuda.synchronize, self.device)
         both = torch.tensor([code, -code], dtype=torch.int64)
         self._collective(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = int(both[0]), -int(both[1])
