@@ -311,9 +311,10 @@ def answer_lines(url: str, body: bytes) -> list[dict]:
 
 
 def test_one_rank_failing_mid_request_is_one_line_and_the_next_request_runs(app_checkpoint):
-    # rank 1 raises in its 1st request at block 1, runs out of memory in its 3rd at block 2, and
-    # fails inside block 1 (between the model's collectives) in its 5th
-    faults = {"ANATOMY_SERVER_FAULTS": "1:1:1:error,1:3:2:oom,1:5:1:mid"}
+    # rank 1 loads 4 s late (longer than the collective timeout: the ranks wait for it, the server
+    # answers 503 meanwhile), raises in its 1st request at block 1, runs out of memory in its 3rd at
+    # block 2, and fails inside block 1 (between the model's collectives) in its 5th
+    faults = {"ANATOMY_SERVER_FAULTS": "1:1:1:error,1:3:2:oom,1:5:1:mid", "ANATOMY_SERVER_LOAD_DELAY": "1:4"}
     proc, url = start(["--checkpoint", app_checkpoint, "--collective-timeout", "3"], ranks=2, env=faults)
     body = b'{"token_ids": [1, 2, 3, 4], "generate": 2}'
     try:

@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from model import parallel
 
-    from ..server.ranks import faults_from_env
+    from ..server.ranks import faults_from_env, load_delay
     from ..server.worker import Model, follow, lead
 
     limits = _limits(args)
@@ -136,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     broken = None
     try:
+        time.sleep(load_delay(rank))
         loaded = open_from_args(args, device, dtype)
         ranks = _ranks(distributed, args.collective_timeout, loaded.device)
         model = Model(loaded, faults_from_env(rank))

@@ -230,3 +230,17 @@ def fire(faults: list[Fault], request: int, block: int, kinds: tuple[str, ...]) 
         if (fault.request, fault.block) == (request, block) and fault.kind in kinds:
             message = f"injected fault in request {request} at block {block} ({FAULTS_ENV})"
             raise torch.OutOfMemoryError(message) if fault.kind == "oom" else RuntimeError(message)
+
+
+LOAD_DELAY_ENV = "ANATOMY_SERVER_LOAD_DELAY"
+
+
+def load_delay(rank: int) -> float:
+    """``ANATOMY_SERVER_LOAD_DELAY="RANK:SECONDS"``: seconds this rank waits before loading (a slow
+    disk, for the tests of the ranks' wait for the slowest load)."""
+    who, _, seconds = os.environ.get(LOAD_DELAY_ENV, "").partition(":")
+    if not who:
+        return 0.0
+    if not (who.isascii() and who.isdigit()) or not seconds.replace(".", "", 1).isdigit():
+        raise InputError(f"{LOAD_DELAY_ENV}: expected RANK:SECONDS")
+    return float(seconds) if int(who) == rank else 0.0
