@@ -106,6 +106,8 @@ BAD_VALUES = {
     "a position past the run": ({"attribute": True, "position": 99}, "--position 99: the run has positions 0.."),
     "prefill past the prompt": ({"prefill": 99}, "--prefill 99: must be between 1 and"),
     "100,000 patterns": ({"record": ["*"] * 100_000}, "this server takes at most 64"),
+    "a 500 kB prompt": ({"prompt": "It is a truth " * 40_000}, "characters; this server takes at most"),
+    "a 500 kB target": ({"attribute": True, "target": "x" * 500_000}, "more than one token holds"),
     "a long pattern": ({"record": ["layers.*" + "*" * 300]}, "at most 200"),
 }
 

@@ -48,6 +48,12 @@ class Limits:
     max_record_patterns: int = 64
     max_pattern_chars: int = 200
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text the tokenizer is given (about 3 s of it per MB): far more characters
+        than max_prompt_tokens of any text hold."""
+        return 16 * self.max_prompt_tokens
+
     def describe(self) -> dict:
         return {
             "max_body_mb": self.max_body_bytes / 2**20,

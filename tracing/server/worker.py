@@ -41,6 +41,7 @@ from .ranks import (
 from .wire import Limits, decode_request, encode_request
 
 log = logging.getLogger("tracing.server")
+TOKEN_CHARS = 1000  # a --target or --contrast text longer than this is no token of any tokenizer
 
 
 @dataclass
@@ -154,6 +155,12 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
         raise InputError(f"--record names {len(patterns)} patterns; this server takes at most {limits.max_record_patterns}")
     if longest := max((p for p in patterns if len(p) > limits.max_pattern_chars), key=len, default=None):
         raise InputError(f"--record pattern {longest[:40]!r}... is {len(longest)} characters; at most {limits.max_pattern_chars}")
+    if request.prompt is not None and len(request.prompt) > limits.max_prompt_chars:
+        most = limits.max_prompt_chars
+        raise InputError(f"the prompt has {len(request.prompt):,} characters; this server takes at most {most:,}")
+    for flag, text in (("--target", request.target), ("--contrast", request.contrast)):
+        if isinstance(text, str) and len(text) > TOKEN_CHARS:
+            raise InputError(f"{flag}: {len(text):,} characters, more than one token holds ({TOKEN_CHARS})")
     request.check()
     if request.generate > limits.max_generate:
         raise InputError(f"--generate {request.generate}: this server writes at most {limits.max_generate} tokens")
