@@ -114,6 +114,9 @@ BAD_VALUES = {
 
 def bad_value(case: str, hidden: int) -> tuple[bytes, str, str]:
     """(body, content type, words of the error) of a request with one bad value."""
+    if case == "5,000 patches":
+        patches = {f"layers.0.p{i}": torch.zeros(1) for i in range(5000)}
+        return *encode_request(TraceRequest(token_ids=(1, 2, 3), patches=patches)), "5,000 patches; this server takes at most"
     if case == "float8 patch":
         patch = {"layers.0.resid_pre": torch.zeros(3, hidden).to(torch.float8_e4m3fn)}
         return *encode_request(TraceRequest(token_ids=(1, 2, 3), patches=patch)), "is float8_e4m3fn: a patch holds float32"
@@ -129,7 +132,7 @@ def refused_before_queueing(answer, words: str) -> None:
     assert words in error and "\n" not in error and len(error) < 300
 
 
-@pytest.mark.parametrize("case", [*BAD_VALUES, "float8 patch"])
+@pytest.mark.parametrize("case", [*BAD_VALUES, "float8 patch", "5,000 patches"])
 def test_a_bad_value_is_one_line_before_the_queue(served, case):
     client, state, loaded = served
     body, kind, words = bad_value(case, loaded.model.args.dim)
@@ -266,7 +269,7 @@ def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_ch
 
 def test_bad_values_on_two_ranks_are_refused_and_the_ranks_serve_on(two_ranks):
     hidden = httpx.get(f"{two_ranks}/info", timeout=30).json()["config"]["hidden_size"]
-    for case in [*BAD_VALUES, "float8 patch"]:
+    for case in [*BAD_VALUES, "float8 patch", "5,000 patches"]:
         body, kind, words = bad_value(case, hidden)
         refused_before_queueing(httpx.post(f"{two_ranks}/trace", content=body, headers={"content-type": kind}, timeout=30), words)
     good = httpx.post(f"{two_ranks}/trace", content=b'{"token_ids": [1, 2, 3], "generate": 1}', headers=JSON, timeout=60)
