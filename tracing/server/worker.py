@@ -150,17 +150,7 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     from ..analyses.interventions import check_positions
     from ..runner import attribution_of, check_prefill, check_token_ids, encode, interventions_of
 
-    patterns = request.record
-    if len(patterns) > limits.max_record_patterns:
-        raise InputError(f"--record names {len(patterns)} patterns; this server takes at most {limits.max_record_patterns}")
-    if longest := max((p for p in patterns if len(p) > limits.max_pattern_chars), key=len, default=None):
-        raise InputError(f"--record pattern {longest[:40]!r}... is {len(longest)} characters; at most {limits.max_pattern_chars}")
-    if request.prompt is not None and len(request.prompt) > limits.max_prompt_chars:
-        most = limits.max_prompt_chars
-        raise InputError(f"the prompt has {len(request.prompt):,} characters; this server takes at most {most:,}")
-    for flag, text in (("--target", request.target), ("--contrast", request.contrast)):
-        if isinstance(text, str) and len(text) > TOKEN_CHARS:
-            raise InputError(f"{flag}: {len(text):,} characters, more than one token holds ({TOKEN_CHARS})")
+    _within_limits(request, limits)
     request.check()
     if request.generate > limits.max_generate:
         raise InputError(f"--generate {request.generate}: this server writes at most {limits.max_generate} tokens")
@@ -189,6 +179,24 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
         if tuple(value.shape) != want:
             raise InputError(f"patch {name!r} has shape {list(value.shape)}, this run needs {list(want)}")
     return ids
+
+
+def _within_limits(request: TraceRequest, limits: Limits) -> None:
+    """The bounds on what checking a request costs, before it is checked: the site patterns (each is
+    matched against every site), the token ids and the text the tokenizer is given."""
+    patterns = request.record
+    if len(patterns) > limits.max_record_patterns:
+        raise InputError(f"--record names {len(patterns)} patterns; this server takes at most {limits.max_record_patterns}")
+    if longest := max((p for p in patterns if len(p) > limits.max_pattern_chars), key=len, default=None):
+        raise InputError(f"--record pattern {longest[:40]!r}... is {len(longest)} characters; at most {limits.max_pattern_chars}")
+    if request.token_ids is not None and len(request.token_ids) > limits.max_prompt_tokens:
+        raise InputError(f"the prompt has {len(request.token_ids)} tokens; this server takes at most {limits.max_prompt_tokens}")
+    if request.prompt is not None and len(request.prompt) > limits.max_prompt_chars:
+        most = limits.max_prompt_chars
+        raise InputError(f"the prompt has {len(request.prompt):,} characters; this server takes at most {most:,}")
+    for flag, text in (("--target", request.target), ("--contrast", request.contrast)):
+        if isinstance(text, str) and len(text) > TOKEN_CHARS:
+            raise InputError(f"{flag}: {len(text):,} characters, more than one token holds ({TOKEN_CHARS})")
 
 
 # --- the ranks' loop ---------------------------------------------------------------------------------
