@@ -89,12 +89,18 @@ def outcome(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, InputError):
         return 422, line
     if isinstance(exc, torch.OutOfMemoryError):
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the request's tensors are gone: give their cache back for the next one
+        free_cached_memory()
         return OUT_OF_MEMORY, f"out of memory ({line}); a shorter request or fewer sites may fit"
     if isinstance(exc, dist.DistError) or _collective_failure(exc):
         return BROKEN, f"a collective failed ({line})"
     return FAILED, f"{type(exc).__name__}: {line}"
+
+
+def free_cached_memory() -> None:
+    """After an out-of-memory: the request's tensors are gone; give their cached blocks back, so the
+    next request starts from the memory the model needs."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _collective_failure(exc: BaseException) -> bool:

@@ -28,6 +28,7 @@ from .ranks import (
     DONE,
     FAILED,
     GOING_ON,
+    OUT_OF_MEMORY,
     STOPPED,
     Agreed,
     Broken,
@@ -36,6 +37,7 @@ from .ranks import (
     Ranks,
     Verdict,
     fire,
+    free_cached_memory,
     outcome,
 )
 from .wire import Limits, decode_request, encode_request
@@ -233,7 +235,7 @@ def _run(model: Model, ranks: Ranks, request: TraceRequest | None, job: Job | No
         stop_here()
 
     model.requests += 1
-    code, reason, data = DONE, "", b""
+    code, reason, data, verdict = DONE, "", b"", None
     try:
         if failure is not None:
             code, reason = failure
@@ -242,13 +244,17 @@ def _run(model: Model, ranks: Ranks, request: TraceRequest | None, job: Job | No
             trace = model.run(request, on_block, on_step)
             data = trace.to_bytes() if job is not None else b""
     except Agreed as exc:
-        return exc.verdict, b""
+        verdict = exc.verdict
     except Broken:
         raise
     except Exception as exc:  # noqa: BLE001 - any exception on a rank is an outcome the ranks agree on
         code, reason = outcome(exc)
         log.log(logging.WARNING if code >= FAILED else logging.INFO, "request ended on rank %d: %s", ranks.rank, reason)
-    return ranks.agree(code, reason), data
+    if verdict is None:  # this rank came to the request's end (done, or its own exception): the final agreement
+        verdict = ranks.agree(code, reason)
+    if verdict.code == OUT_OF_MEMORY:  # on every rank: the one that ran out frees its cache, the others theirs
+        free_cached_memory()
+    return verdict, data if verdict.code == DONE else b""
 
 
 def lead(model: Model, jobs: Queue, stopping: threading.Event, heartbeat: float = 5.0, ranks: Ranks | None = None) -> str | None:
