@@ -275,16 +275,8 @@ def run(
 
         sampling = dataclasses.replace(sampling, seed=broadcast_int(sampling.seed))
     ids = encode(request, tokenizer)
-    attribution = None
-    if request.attribute:
-        target, contrast = (token_id(f"--{k}", getattr(request, k), tokenizer) for k in ("target", "contrast"))
-        if contrast is not None and target == contrast:
-            raise InputError(f"--target and --contrast are both token {target}: the difference of a logit with itself is 0")
-        attribution = AttributionRequest(request.position, target, contrast)
-    interventions, patches = from_spec(request.interventions), request.patches
-    if patches and request.patch_positions is not None:  # only there: the model's own elsewhere
-        interventions.append(PatchAt(patches, parse_positions("--positions", request.patch_positions)))
-        patches = None
+    attribution = attribution_of(request, tokenizer)
+    interventions, patches = interventions_of(request)
     if hooks:
         interventions.append(HookFunctions(hooks))
     check_positions(interventions, len(ids) + request.generate)
@@ -308,6 +300,30 @@ def run(
         attribution=attribution,
         on_step=on_step,
     )
+
+
+def attribution_of(request: TraceRequest, tokenizer: Tokenizer | None) -> AttributionRequest | None:
+    """The attribution a request asks for, its target and contrast resolved to token ids."""
+    if not request.attribute:
+        return None
+    target, contrast = (token_id(f"--{k}", getattr(request, k), tokenizer) for k in ("target", "contrast"))
+    if contrast is not None and target == contrast:
+        raise InputError(f"--target and --contrast are both token {target}: the difference of a logit with itself is 0")
+    return AttributionRequest(request.position, target, contrast)
+
+
+def interventions_of(request: TraceRequest) -> tuple[list[Intervention], Mapping[str, torch.Tensor] | None]:
+    """A request's interventions, and the patches put in whole (those at chosen positions are a PatchAt)."""
+    interventions, patches = from_spec(request.interventions), request.patches
+    if patches and request.patch_positions is not None:  # only there: the model's own elsewhere
+        interventions.append(PatchAt(patches, parse_positions("--positions", request.patch_positions)))
+        patches = None
+    return interventions, patches
+
+
+def check_prefill(n_prefill: int, n_ids: int) -> None:
+    if not 1 <= n_prefill <= n_ids:
+        raise InputError(f"--prefill {n_prefill}: must be between 1 and {n_ids}, the number of tokens")
 
 
 def check_token_ids(ids: list[int], args: ModelArgs, max_tokens: int | None = None, generate: int = 0) -> None:
@@ -379,8 +395,7 @@ def trace_tokens(
         attribution.check(len(ids) + generate, model.args.vocab_size)
     sampling = (sampling or Sampling()).seeded()
     n_prefill = len(ids) if prefill is None else prefill
-    if not 1 <= n_prefill <= len(ids):
-        raise InputError(f"--prefill {n_prefill}: must be between 1 and {len(ids)}, the number of tokens")
+    check_prefill(n_prefill, len(ids))
     if patches and (n_prefill < len(ids) or generate):
         what = "--generate" if generate else "--prefill"
         raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import asdict, dataclass
 
@@ -11,6 +12,8 @@ from .errors import InputError
 from .sites import next_topk
 
 SEEDS = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+# the smallest temperature: logits are divided by it in float32, where a subnormal (1e-320) is 0
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,9 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also refuses NaN
-            raise InputError(f"--temperature must be 0 (greedy) or positive, not {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):  # also refuses NaN
+            least = f"{MIN_TEMPERATURE:.3g}"
+            raise InputError(f"--temperature must be 0 (greedy) or a finite number of at least {least}, not {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"--top-p must be in (0, 1], not {self.top_p}")
 
@@ -55,7 +59,9 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     """The next token id from one position's float32 logits (V,)."""
     if sampling.greedy:
         return int(next_topk(logits)[0][0])
-    probs = (logits.float().cpu() / sampling.temperature).softmax(dim=-1)
+    logits = logits.float().cpu()
+    # shifted so the largest is 0: a small temperature makes the others -inf, never inf - inf
+    probs = ((logits - logits.max()) / sampling.temperature).softmax(dim=-1)
     if sampling.top_p < 1:
         sorted_probs, order = probs.sort(descending=True, stable=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens

@@ -754,7 +754,7 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
         patterns = "default"
     if isinstance(patterns, str):
         patterns = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen: list[str] = []
+    chosen: dict[str, None] = {}  # in the order first matched, each once
     for pattern in patterns:
         if pattern == "default":
             matched = list(_default_sites(args))
@@ -770,8 +770,8 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
                 raise InputError(f"--record pattern {pattern!r}: {INDEXER_MISSING}")
             if not matched and not fnmatch.fnmatchcase("tokens", pattern):
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
-        chosen.extend(m for m in matched if m not in chosen)
-    return sorted(_with_groups(args, chosen), key=site_order)
+        chosen.update(dict.fromkeys(matched))
+    return sorted(_with_groups(args, list(chosen)), key=site_order)
 
 
 # sites read together: a trace holding one of a group holds all of them (per block for BLOCK_GROUPS);

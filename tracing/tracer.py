@@ -22,7 +22,7 @@ from model.hooks import Hooks
 from .analyses.attribution import AttributionRequest, Attributor
 from .analyses.flow import Flow
 from .analyses.heads import HeadReads
-from .analyses.interventions import Intervention, PatchAt, Replace, during, replaced, replacements_of
+from .analyses.interventions import Intervention, PatchAt, Replace, check_patch, during, replaced, replacements_of
 from .analyses.ranks import Ranks
 from .analyses.recall import one_dense
 from .errors import InputError
@@ -195,8 +195,7 @@ class Tracer:
         for name, value in self.patches.items():
             if name not in points:
                 raise InputError(f"patch {name!r} is not a trace site this model can patch")
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise InputError(f"patch {name!r} holds NaN or infinite values")
+            check_patch(name, value)
         replacers = replacements_of(self.interventions, self.args, points)
         derived: dict[str, list[str]] = {}  # hook point -> derived sites computed from its value
         keep: set[str] = set()  # hook points whose value later hooks of this pass read

@@ -26,10 +26,13 @@ from tests.tracing.serving import TOKEN, in_process, post
 from tracing.cli.commands import main
 from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
+from tracing.server.ranks import Fault
+from tracing.server.wire import encode_request
 from tracing.trace import Trace
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "It is a truth universally acknowledged, that a single man"
+JSON = {"content-type": "application/json"}
 
 
 def free_port() -> int:
@@ -87,6 +90,72 @@ def test_a_bad_request_gets_one_line_and_the_server_goes_on(served, body, kind, 
     assert "\n" not in answer.json()["error"]
     good = post(client, TraceRequest(token_ids=(1, 2, 3)))
     assert good.status_code == 200 and read_answer(iter([good.content]))
+
+
+# values the CLI refuses, each of which once ended every rank or ran as another value
+BAD_VALUES = {
+    "subnormal temperature": ({"generate": 2, "temperature": 1e-320}, "--temperature must be 0 (greedy) or a finite number"),
+    "no_bias text": ({"interventions": {"no_bias": "x"}}, "no_bias: expected"),
+    "no_bias object": ({"interventions": {"no_bias": {"a": 1}}}, "no_bias: expected"),
+    "no_bias number": ({"interventions": {"no_bias": 5}}, "no_bias: expected"),
+    "unknown intervention": ({"interventions": {"a": 1}}, "unknown intervention 'a'"),
+    "attention list": ({"interventions": {"attention": [1]}}, "attention: expected"),
+    "attention infinite": ({"interventions": {"attention": float("inf")}}, "attention: expected"),
+    "attention fraction": ({"interventions": {"attention": 2.7}}, "attention: expected"),
+    "ablate null ids": ({"interventions": {"ablate": {"1": None}}}, "blocks and ids must be integers"),
+    "a head the model lacks": ({"interventions": {"ablate_heads": "1:999"}}, "heads are numbered 0.."),
+    "a position past the run": ({"attribute": True, "position": 99}, "--position 99: the run has positions 0.."),
+    "prefill past the prompt": ({"prefill": 99}, "--prefill 99: must be between 1 and"),
+    "100,000 patterns": ({"record": ["*"] * 100_000}, "this server takes at most 64"),
+    "a 500 kB prompt": ({"prompt": "It is a truth " * 40_000}, "characters; this server takes at most"),
+    "a 500 kB target": ({"attribute": True, "target": "x" * 500_000}, "more than one token holds"),
+    "a long pattern": ({"record": ["layers.*" + "*" * 300]}, "at most 200"),
+}
+
+
+def bad_value(case: str, hidden: int) -> tuple[bytes, str, str]:
+    """(body, content type, words of the error) of a request with one bad value."""
+    if case == "5,000 patches":
+        patches = {f"layers.0.p{i}": torch.zeros(1) for i in range(5000)}
+        return *encode_request(TraceRequest(token_ids=(1, 2, 3), patches=patches)), "5,000 patches; this server takes at most"
+    if case == "float8 patch":
+        patch = {"layers.0.resid_pre": torch.zeros(3, hidden).to(torch.float8_e4m3fn)}
+        return *encode_request(TraceRequest(token_ids=(1, 2, 3), patches=patch)), "is float8_e4m3fn: a patch holds float32"
+    fields, words = BAD_VALUES[case]
+    body = json.dumps({"prompt": "It is a truth", **fields})  # Infinity where the JSON says so, as a client may send it
+    return body.encode(), "application/json", words
+
+
+def refused_before_queueing(answer, words: str) -> None:
+    """A 4xx with one line, a plain JSON answer: the request never reached the queue, nor a rank."""
+    assert 400 <= answer.status_code < 500 and answer.headers["content-type"] == "application/json", answer.content[:300]
+    error = answer.json()["error"]
+    assert words in error and "\n" not in error and len(error) < 300
+
+
+@pytest.mark.parametrize("case", [*BAD_VALUES, "float8 patch", "5,000 patches"])
+def test_a_bad_value_is_one_line_before_the_queue(served, case):
+    client, state, loaded = served
+    body, kind, words = bad_value(case, loaded.model.args.dim)
+    ran = state.model.requests
+    refused_before_queueing(client.post("/trace", content=body, headers={"content-type": kind}), words)
+    assert state.model.requests == ran  # the model never saw it
+    good = post(client, TraceRequest(token_ids=(1, 2, 3)))
+    assert good.status_code == 200 and read_answer(iter([good.content]))
+
+
+@pytest.mark.parametrize("kind, status, words", [("error", 500, "RuntimeError: injected fault"), ("oom", 503, "out of memory")])
+def test_a_failure_in_one_process_is_one_line_and_the_next_request_runs(served, kind, status, words):
+    client, state, loaded = served
+    state.model.faults = [Fault(state.model.requests + 1, 1, kind)]  # the next request, at block 1
+    try:
+        answer = post(client, TraceRequest(token_ids=(1, 2, 3), generate=1))
+        *events, last = [json.loads(line) for line in answer.content.splitlines()]
+        assert last["status"] == status and words in last["error"] and not any("error" in e for e in events)
+    finally:
+        state.model.faults = []
+    good = post(client, TraceRequest(token_ids=(1, 2, 3), generate=1))
+    assert Trace.from_bytes(read_answer(iter([good.content]))).extra["generation"]["generated"] == 1
 
 
 @pytest.mark.parametrize(
@@ -197,6 +266,79 @@ def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_ch
             torch.testing.assert_close(a[name], b[name], rtol=2**-7, atol=1e-5, equal_nan=True)
         else:
             assert torch.equal(a[name], b[name]), name  # selections, tokens, the prefill's default sites: exactly
+
+
+def test_bad_values_on_two_ranks_are_refused_and_the_ranks_serve_on(two_ranks):
+    hidden = httpx.get(f"{two_ranks}/info", timeout=30).json()["config"]["hidden_size"]
+    for case in [*BAD_VALUES, "float8 patch", "5,000 patches"]:
+        body, kind, words = bad_value(case, hidden)
+        refused_before_queueing(httpx.post(f"{two_ranks}/trace", content=body, headers={"content-type": kind}, timeout=30), words)
+    good = httpx.post(f"{two_ranks}/trace", content=b'{"token_ids": [1, 2, 3], "generate": 1}', headers=JSON, timeout=60)
+    assert Trace.from_bytes(read_answer(iter([good.content]))).extra["generation"]["generated"] == 1
+
+
+def open_request(url: str, body: bytes, until: bytes) -> socket.socket:
+    """A client on a plain socket that sent ``body`` to /trace and read the answer up to ``until``."""
+    host, port = url.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)), timeout=30)
+    head = f"POST /trace HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    client.sendall(head.encode() + body)
+    seen = b""
+    while until not in seen:
+        seen += client.recv(4096)
+    return client
+
+
+def wait_for(url: str, ready, seconds: float = 30) -> dict:
+    deadline = time.monotonic() + seconds
+    while not ready(health := httpx.get(f"{url}/health", timeout=10).json()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return health
+
+
+def test_a_queued_request_whose_client_left_is_dropped(two_ranks):
+    running = open_request(two_ranks, b'{"token_ids": [1, 2, 3], "generate": 150}', b'"progress"')
+    queued = open_request(two_ranks, b'{"token_ids": [1, 2, 3]}', b'"queued"')
+    assert wait_for(two_ranks, lambda h: h["queue"] == 1)["running"]
+    queued.close()
+    health = wait_for(two_ranks, lambda h: h["queue"] == 0)
+    assert health["queue"] == 0 and health["running"]  # gone from the queue while the other still runs
+    running.close()
+    assert not wait_for(two_ranks, lambda h: not h["running"])["running"]
+    good = httpx.post(f"{two_ranks}/trace", content=b'{"token_ids": [1, 2, 3]}', headers=JSON, timeout=60)
+    assert Trace.from_bytes(read_answer(iter([good.content])))["tokens"].tolist() == [1, 2, 3]
+
+
+def answer_lines(url: str, body: bytes) -> list[dict]:
+    """The event lines of an answer that ends in an error (one JSON object each)."""
+    answer = httpx.post(f"{url}/trace", content=body, headers=JSON, timeout=60)
+    assert answer.status_code == 200
+    return [json.loads(line) for line in answer.content.splitlines() if line]
+
+
+def test_one_rank_failing_mid_request_is_one_line_and_the_next_request_runs(app_checkpoint):
+    # rank 1 loads 4 s late (longer than the collective timeout: the ranks wait for it, the server
+    # answers 503 meanwhile), raises in its 1st request at block 1, runs out of memory in its 3rd at
+    # block 2, and fails inside block 1 (between the model's collectives) in its 5th
+    faults = {"ANATOMY_SERVER_FAULTS": "1:1:1:error,1:3:2:oom,1:5:1:mid", "ANATOMY_SERVER_LOAD_DELAY": "1:4"}
+    proc, url = start(["--checkpoint", app_checkpoint, "--collective-timeout", "3"], ranks=2, env=faults)
+    body = b'{"token_ids": [1, 2, 3, 4], "generate": 2}'
+    try:
+        failures = ((500, "rank 1: RuntimeError: injected fault in request 1 at block 1"), (503, "rank 1: out of memory"))
+        for status, words in failures:
+            *progress, last = answer_lines(url, body)
+            assert last["status"] == status and words in last["error"] and not any("error" in e for e in progress)
+            good = Trace.from_bytes(read_answer(iter([httpx.post(f"{url}/trace", content=body, headers=JSON).content])))
+            assert good.extra["generation"]["generated"] == 2  # the ranks are in step: the next request runs
+        started = time.monotonic()
+        *waiting, last = answer_lines(url, body)  # rank 0 waits in the FFN's collective until it times out
+        assert last["status"] == 500 and "injected fault in request 5" in last["error"] and "out of step" in last["error"]
+        assert any("heartbeat" in e for e in waiting)  # a line every 2 s while the request could not go on
+        proc.wait(30)  # the server ends by itself, with the reason
+        assert proc.returncode != 0 and time.monotonic() - started < 30
+    finally:
+        log = stop(proc)
+    assert "error: rank 0 stops: rank 1: RuntimeError: injected fault in request 5" in log, log[-3000:]
 
 
 def test_the_python_client_and_a_client_killed_mid_generation(two_ranks, tmp_path):

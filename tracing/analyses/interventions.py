@@ -139,7 +139,7 @@ def _block_ids(flag: str, value: Any) -> dict[int, tuple[int, ...]]:
     out = {}
     for block, ids in value.items():
         block = int(block) if isinstance(block, str) and _is_number(block) else block
-        if isinstance(ids, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in (block, *ids)):
+        if not isinstance(ids, list | tuple) or not all(_is_int(i) for i in (block, *ids)):
             raise InputError(f"{flag}: blocks and ids must be integers")
         out[block] = tuple(sorted(set(ids)))
     return out
@@ -399,8 +399,7 @@ class PatchAt(Intervention):
         out: dict[str, Replace] = {}
         for name, value in self.values.items():
             row = _hook_point("patch", name)
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise InputError(f"patch {name!r} holds NaN or infinite values")
+            check_patch(name, value)
             axes = [a for a in row.legend.split() if a != "B"]
             if axes[0] not in ("T", "N"):
                 raise InputError(f"patch {name!r} has no position axis: patch it whole (--patch)")
@@ -453,6 +452,8 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     out: list[Intervention] = []
     no_bias = request.get("no_bias")  # first: the removals below mask the scores it routes by
     if no_bias is not None:
+        if no_bias != "all" and not (isinstance(no_bias, list | tuple) and all(_is_int(b) for b in no_bias)):
+            raise InputError(f'no_bias: expected "all" or a list of block numbers, not {_shown(no_bias)}')
         out.append(NoGateBias(None if no_bias == "all" else tuple(no_bias)))
     at = request.get("at")
     at = parse_positions("at", str(at)) if at not in (None, "", "all") else None
@@ -471,13 +472,42 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     if attention == "dense":
         out.append(IndexTopK.dense())
     elif attention is not None:
-        out.append(IndexTopK(int(attention)))
+        if not _is_int(attention) or attention < 1:
+            raise InputError(f'attention: expected "dense" or an index_topk (a positive integer), not {_shown(attention)}')
+        out.append(IndexTopK(attention))
     no_act_fp8 = request.get("no_act_fp8")
     if not isinstance(no_act_fp8, bool | None):
         raise InputError(f"no_act_fp8: expected true or false, not {type(no_act_fp8).__name__}")
     if no_act_fp8:
         out.append(NoActFP8())
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A value of a spec as an error line shows it: its type, and its text cut short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+# what a patch may hold: the model's floating-point widths, and integers for the index sites
+PATCH_DTYPES = (
+    *(torch.float32, torch.bfloat16, torch.float16, torch.float64),
+    *(torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8),
+)
+
+
+def check_patch(name: str, value: torch.Tensor) -> None:
+    """InputError for a patch value no run can put in: a dtype outside PATCH_DTYPES (float8, complex,
+    bool), NaN or infinity."""
+    if value.dtype not in PATCH_DTYPES:
+        kinds = ", ".join(str(d).removeprefix("torch.") for d in PATCH_DTYPES)
+        raise InputError(f"patch {name!r} is {str(value.dtype).removeprefix('torch.')}: a patch holds {kinds}")
+    if value.is_floating_point() and not torch.isfinite(value).all():
+        raise InputError(f"patch {name!r} holds NaN or infinite values")
 
 
 def check_positions(interventions: Sequence[Intervention], n_positions: int) -> None:

@@ -47,7 +47,16 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-seconds", type=finite, default=600.0, help="a request is stopped after this long (default 600)")
     serve.add_argument("--max-queue", type=integer(), default=8, help="requests that may wait for the model (default 8)")
     serve.add_argument(
-        "--collective-timeout", type=finite, default=60.0, help="under torchrun: seconds a rank waits for another (default 60)"
+        "--collective-timeout",
+        type=finite,
+        default=60.0,
+        help="under torchrun, once loaded: seconds a rank waits for another (default 60)",
+    )
+    serve.add_argument(
+        "--load-timeout",
+        type=finite,
+        default=3600.0,
+        help="under torchrun: seconds the ranks wait for the slowest to load its part (default 3600)",
     )
     serve.set_defaults(func=cmd_serve)
 
@@ -72,6 +81,7 @@ def _limits(args: argparse.Namespace):
         ("--max-seconds", args.max_seconds),
         ("--max-queue", args.max_queue),
         ("--collective-timeout", args.collective_timeout),
+        ("--load-timeout", args.load_timeout),
     ):
         if not value > 0 or value != value or value == float("inf"):
             raise InputError(f"{flag} must be a positive finite number, not {value}")
@@ -90,6 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from model import parallel
 
+    from ..server.ranks import faults_from_env, load_delay
     from ..server.worker import Model, follow, lead
 
     limits = _limits(args)
@@ -99,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--host {args.host} is reachable from other machines: name a --token-file (a bearer token)")
     token = read_token_file(args.token_file)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
-    distributed = parallel.init_distributed(device, timedelta(seconds=args.collective_timeout))
+    # the load's collectives wait for the slowest rank's reading (minutes on a node); the short timeout after it
+    distributed = parallel.init_distributed(device, timedelta(seconds=args.load_timeout))
     rank, world = (distributed.rank, distributed.world) if distributed is not None else (0, 1)
     stopping = threading.Event()
     http = _Http(args, limits, token) if rank == 0 else None
@@ -112,20 +124,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    broken = None
     try:
+        time.sleep(load_delay(rank))
         loaded = open_from_args(args, device, dtype)
-        # the tensors rank 0 hands out travel where the collectives do: the GPU under NCCL, else the CPU
-        model = Model(loaded, world, loaded.device if loaded.device.type == "cuda" else torch.device("cpu"))
+        ranks = _ranks(distributed, args.collective_timeout, loaded.device)
+        model = Model(loaded, faults_from_env(rank))
         if rank == 0:
             http.ready(model, _facts(loaded, world, limits))
             print(f"serving {loaded.label} on http://{args.host}:{args.port} ({world} rank{'s' * (world > 1)})", file=sys.stderr)
-            lead(model, http.state.jobs, stopping)
+            broken = lead(model, http.state.jobs, stopping, ranks=ranks)
         else:
-            follow(model, limits)
+            broken = follow(model, limits, ranks)
     finally:
         if http is not None:
             http.stop()
-    return 0
+    if broken is None:
+        return 0
+    print(f"error: rank {rank} stops: {broken}", file=sys.stderr)
+    if distributed is not None:
+        torch.distributed.destroy_process_group()  # no barrier: the other ranks may be gone
+    return 1
+
+
+def _ranks(distributed, collective_timeout: float, device):
+    """The ranks' control group, once every rank has loaded its part (tracing.server.ranks); the
+    model's collectives get the short timeout from here on."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from ..server.ranks import Ranks
+
+    if distributed is None:
+        return Ranks()
+    dist.barrier()  # under --load-timeout: the slowest rank's load
+    short = timedelta(seconds=collective_timeout)
+    distributed_c10d._set_pg_timeout(short, dist.group.WORLD)
+    # longer than the model's timeout: a rank that failed inside a block waits here until the others'
+    # collective times out and they come to agree that the ranks are out of step
+    group = dist.new_group(backend="gloo", timeout=2 * short + timedelta(seconds=10))
+    return Ranks(group, distributed.rank, distributed.world, device)
 
 
 def _facts(loaded, world: int, limits) -> dict:

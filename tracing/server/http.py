@@ -3,7 +3,7 @@
     GET  /health   200 {"model", "dtype", "device", "ranks", "queue", "running"} once the model is loaded; 503 before
     GET  /info     the model's config and vocabulary facts, what a client needs to build requests
     POST /encode   a request's token ids, checked as /trace checks them
-    POST /trace    a request; the answer streams its place, its progress, then the trace file (tracing.server.wire)
+    POST /trace    a request; the answer streams its place, its progress and heartbeats, then the trace file (tracing.server.wire)
 
 With a token (``--token-file``), every route but /health asks for ``Authorization: Bearer
 <token>``, compared in constant time. A request that cannot run (malformed, over a limit, a site or
@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from ..errors import InputError
 from ..tokenizer import TokenizerError
-from .wire import EVENTS, Limits, TooLarge, decode_request, event
+from .wire import EVENTS, HEARTBEAT, Limits, TooLarge, decode_request, event
 from .worker import Job, Model, Queue, QueueFull, check
 
 log = logging.getLogger("tracing.server")
@@ -64,6 +64,9 @@ def make_app(state: State) -> Starlette:
                 return await handler(request)
             except BAD_INPUT as exc:
                 return _refuse(413 if isinstance(exc, TooLarge) else 422, _line(exc))
+            except Exception as exc:  # noqa: BLE001 - a fault of the server's own: one line, and it goes on
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _refuse(500, f"the server failed on this request ({type(exc).__name__}: {_line(exc)[:200]})")
 
         return endpoint
 
@@ -112,10 +115,14 @@ def make_app(state: State) -> Starlette:
             return _refuse(503, str(exc))
 
         async def stream():
-            done = False
+            done, started = False, time.monotonic()
             try:
                 while True:
-                    message = await events.get()
+                    try:  # a line at least every HEARTBEAT seconds, so a client may read with a timeout
+                        message = await asyncio.wait_for(events.get(), HEARTBEAT)
+                    except asyncio.TimeoutError:  # noqa: UP041 - a name of its own before Python 3.11
+                        yield event(heartbeat=round(time.monotonic() - started, 1))
+                        continue
                     if "trace" in message:
                         data = message["trace"]
                         yield event(trace=len(data))

@@ -4,9 +4,10 @@ A request is a :class:`~tracing.runner.TraceRequest` in its JSON form, sent as `
 one with patches is a safetensors file (``application/x-safetensors``) whose tensors are the
 patches and whose metadata holds the request's JSON under ``request``. The answer streams
 (``application/x-ndjson``): one JSON object a line while the request waits and runs (``queued``:
-its place; ``progress``: block i of n, step j of N), then ``{"trace": N}`` followed by the trace
-file's N bytes, or ``{"error": "...", "status": 4xx}``. A request refused before it is queued gets
-a plain JSON answer ``{"error": "..."}`` with its 4xx status.
+its place; ``progress``: block i of n, step j of N; ``heartbeat``: the seconds since it came, when
+nothing else was sent for :data:`HEARTBEAT` seconds), then ``{"trace": N}`` followed by the trace
+file's N bytes, or ``{"error": "...", "status": 4xx or 5xx}``. A request refused before it is
+queued gets a plain JSON answer ``{"error": "..."}`` with its 4xx status.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ JSON = "application/json"
 SAFETENSORS = "application/x-safetensors"
 EVENTS = "application/x-ndjson"
 REQUEST_KEY = "request"  # the safetensors metadata key of the request's JSON
+HEARTBEAT = 2.0  # seconds: the longest an answer's stream stays silent while its request waits or runs
 
 
 class TooLarge(InputError):
@@ -41,6 +43,16 @@ class Limits:
     max_generate: int = 512
     max_seconds: float = 600.0
     max_queue: int = 8
+    # site patterns: each is matched against every site name (thousands for the 671B), before queueing
+    max_record_patterns: int = 64
+    max_pattern_chars: int = 200
+    max_patches: int = 4096  # tensors in one request's patches
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text the tokenizer is given (about 3 s of it per MB): far more characters
+        than max_prompt_tokens of any text hold."""
+        return 16 * self.max_prompt_tokens
 
     def describe(self) -> dict:
         return {
@@ -50,6 +62,9 @@ class Limits:
             "max_generate": self.max_generate,
             "max_seconds": self.max_seconds,
             "max_queue": self.max_queue,
+            "max_record_patterns": self.max_record_patterns,
+            "max_pattern_chars": self.max_pattern_chars,
+            "max_patches": self.max_patches,
         }
 
 
@@ -68,11 +83,21 @@ def decode_request(body: bytes, content_type: str, limits: Limits) -> TraceReque
         return TraceRequest.from_json(body)
     if kind != SAFETENSORS:
         raise InputError(f"send the request as {JSON}, or as {SAFETENSORS} with patches, not {kind or 'no type'}")
+    unreadable = (SafetensorError, ValueError, RuntimeError, OSError, RecursionError)
+    try:
+        header = _header(body)
+    except unreadable as exc:
+        raise InputError(f"the patches are not a readable safetensors file ({exc})") from None
+    n_patches = len(header) - ("__metadata__" in header)
+    if n_patches > limits.max_patches:  # counted before a tensor is made: the cost that grows with them
+        raise TooLarge(f"the body holds {n_patches:,} patches; this server takes at most {limits.max_patches:,}")
     try:
         patches = load_safetensors(body)
-        metadata = _metadata(body)
-    except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
+    except unreadable as exc:
         raise InputError(f"the patches are not a readable safetensors file ({exc})") from None
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise InputError("the patches are not a readable safetensors file (__metadata__ is not an object)")
     if REQUEST_KEY not in metadata:
         raise InputError(f"the safetensors body holds no {REQUEST_KEY!r} metadata (the request's JSON)")
     size = sum(t.numel() * t.element_size() for t in patches.values())
@@ -83,14 +108,13 @@ def decode_request(body: bytes, content_type: str, limits: Limits) -> TraceReque
     return TraceRequest.from_json(metadata[REQUEST_KEY], patches=patches)
 
 
-def _metadata(body: bytes) -> dict[str, str]:
-    """The metadata of a safetensors file in memory (its JSON header's ``__metadata__``)."""
+def _header(body: bytes) -> dict:
+    """The JSON header of a safetensors file in memory: each tensor's entry, and ``__metadata__``."""
     n = int.from_bytes(body[:8], "little")
     header = json.loads(body[8 : 8 + n])
-    metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise ValueError("__metadata__ is not an object")
-    return metadata
+    if not isinstance(header, dict):
+        raise ValueError("the header is not an object")
+    return header
 
 
 def event(**fields) -> bytes:
