@@ -1,0 +1,536 @@
+"""The memory plan: what each rank holds and what one request allocates, counted by running it.
+
+Nothing here is a formula beside the model. Each rank's part of the model is built on the meta
+device and split by :func:`model.parallel.parallelize` over a stand-alone fake process group (the
+rank that would run it, without the others: torch's ``FakeProcessGroup``, whose collectives leave
+their buffers as they are); then the request runs through :func:`tracing.runner.trace_tokens`,
+the code a real request runs, hooks, derived sites and collectives included. :class:`Allocations`
+counts what that forward allocates:
+
+- It is a ``TorchDispatchMode``: every aten op's output passes through it, whatever module,
+  kernel or hook made it. It notes each output's storage (``untyped_storage()``, one Python object
+  per storage) and its size once, unless an input holds that storage (a view, an in-place op,
+  a cast to the dtype it has: nothing new, maybe memory from before), and a
+  ``weakref.finalize`` on that storage takes the size off when the last tensor holding it is
+  freed. The live total at each op, and its peak, is what a caching allocator would
+  be asked for, without its rounding and fragmentation.
+- The same mode measures a real run on the CPU (``meta=False``): the tests compare the prediction
+  on meta tensors with that measurement over real tensors (tests/tracing/test_plan.py). tracemalloc
+  does not see torch's allocations and the process's RSS moves with the allocator's caching; live
+  storage bytes are what both devices hold.
+- The meta device has no values. The few places that read one are answered here: a copy to the
+  host (the trace's ``.cpu()``) stays meta and is counted as host memory, a number read
+  (``.item()``) is 0 and a truth value (``bool()``, the forward's checks) true, and
+  ``bincount`` (the MoE's rows per expert, which it reads with ``.tolist()``) is the balanced
+  count, ``N k / E`` rows per expert, what a trained router's load balancing aims at.
+
+The weights are the parameters and buffers of the split meta model (the part a rank holds; on the
+CPU also the float32-wide copies model.kernels keeps of each FP8 weight, model.stream.held_bytes),
+and what a streamed pass reads from disk is the stored bytes of that part. Ranks whose parts have
+the same shapes (all of them, where the heads, widths and experts divide evenly) are run once.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from model.checkpoint import WeightSource, build_model, wants_mtp
+from model.names import to_hf
+from model.stream import available_memory, held_bytes
+
+GB = 1e9
+DEFAULT_TOKENS = 4096  # the server's default --max-prompt-tokens: what a request may bring
+aten = torch.ops.aten
+
+
+class Allocations(TorchDispatchMode):
+    """Live storage bytes of the tensors made inside it, and their peak (see the module's docstring).
+
+    ``meta``: answer the reads the meta device cannot (copies to the host, scalars, ``bincount``).
+    ``host`` / ``host_peak``: bytes copied to the host (a trace's values), apart from ``live``."""
+
+    def __init__(self, meta: bool = True):
+        super().__init__()
+        self.meta = meta
+        self.live = self.peak = 0  # device bytes
+        self.host = self.host_peak = 0
+        self.both_peak = 0  # device and host together: what one CPU process holds
+        self._seen: set[int] = set()
+        self._made: dict[tuple, tuple] = {}  # op and argument shapes -> its outputs' shapes (meta)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        on_meta = self.meta and isinstance(first, torch.Tensor) and first.is_meta
+        if on_meta and func in (aten._local_scalar_dense.default, aten.item.default):
+            return 0
+        if on_meta and func is aten.is_nonzero.default:
+            return True  # the checks a forward makes (FP8 scales are powers of two) hold
+        if on_meta and func is aten.bincount.default:
+            return _balanced(first.numel(), kwargs.get("minlength", args[2] if len(args) > 2 else 0))
+        if on_meta and (kept := _kept_on_meta(func, args, kwargs)) is not None:
+            out = func(*kept[0], **kept[1])  # the copy to the host, as a meta tensor
+            self._note(out, host=True)
+            return out
+        out = self._fresh(func, args, kwargs) if on_meta else func(*args, **kwargs)
+        given = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given:  # a view or in place: nothing new
+                self._note(t, host=False)
+        return out
+
+    def _fresh(self, func, args: tuple, kwargs: dict):
+        """``func`` on meta tensors, its outputs' shapes remembered: the meta device's kernels are
+        Python references (about a millisecond an op), and a MoE block runs the same ops on the
+        same shapes for each of its experts. Only ops that return new tensors are remembered (not
+        views, not in-place ones), so what the mode counts is the same either way."""
+        schema = func._schema
+        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+            return func(*args, **kwargs)
+        leaves, _ = tree_flatten((args, kwargs))
+        try:
+            key = (func, *(_key(leaf) for leaf in leaves))
+            hash(key)
+        except TypeError:
+            return func(*args, **kwargs)
+        made = self._made.get(key)
+        if made is None:
+            out = func(*args, **kwargs)
+            outs, spec = tree_flatten(out)
+            if all(isinstance(t, torch.Tensor) and t.is_meta for t in outs):
+                self._made[key] = ([(t.shape, t.stride(), t.dtype) for t in outs], spec)
+            return out
+        shapes, spec = made
+        made = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in shapes]
+        return tree_unflatten(made, spec)
+
+    def _note(self, t: torch.Tensor, host: bool) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._seen:
+            return
+        n = storage.nbytes()
+        self._seen.add(key)
+        self._add(n, host)
+        weakref.finalize(storage, self._gone, key, n, host)
+
+    def _add(self, n: int, host: bool) -> None:
+        if host:
+            self.host += n
+            self.host_peak = max(self.host_peak, self.host)
+        else:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+        self.both_peak = max(self.both_peak, self.live + self.host)
+
+    def _gone(self, key: int, n: int, host: bool) -> None:
+        self._seen.discard(key)
+        self._add(-n, host)
+
+
+def _kept_on_meta(func, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A copy from the meta device to another (``.cpu()``, ``.to("cpu", ...)``, in any of the
+    overloads inference mode leaves undecomposed), its arguments turned to keep it on meta; None
+    for any other op."""
+    if func.overloadpacket not in (aten.to, aten._to_copy):
+        return None
+
+    def elsewhere(value) -> bool:
+        return isinstance(value, torch.device | str) and torch.device(value).type != "meta"
+
+    if not any(elsewhere(v) for v in (*args[1:], kwargs.get("device"))):
+        return None
+    meta = torch.device("meta")
+    return (
+        (args[0], *(meta if elsewhere(v) else v for v in args[1:])),
+        {k: meta if k == "device" and elsewhere(v) else v for k, v in kwargs.items()},
+    )
+
+
+def _key(value):
+    """What an op's result shapes can depend on: a tensor's shape, strides and dtype (on meta, no
+    values), any other argument itself."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    return value
+
+
+def _balanced(n: int, bins: int) -> torch.Tensor:
+    """``n`` items over ``bins`` as evenly as they go (the host tensor ``.tolist()`` reads)."""
+    bins = max(int(bins), 1)
+    out = torch.full((bins,), n // bins, dtype=torch.int64)
+    out[: n % bins] += 1
+    return out
+
+
+def fake_group(rank: int, world: int):
+    """A process group of ``world`` ranks seen from ``rank``, with no other process behind it."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    make = getattr(FakeProcessGroup, "_create_internal", None)
+    return make(rank, world) if make is not None else FakeProcessGroup(rank, world)
+
+
+# -------------------------------------------------------------------------------------------------
+# one rank
+
+
+@dataclass
+class RankPlan:
+    """Bytes one rank needs: its weights, a request's caches (KV and indexer), the forward's peak
+    activations beside them, the derived sites' transient memory, the trace it copies to the host,
+    and what one streamed forward pass reads from disk (its part's stored bytes, every expert it
+    holds)."""
+
+    rank: int
+    weights: int
+    caches: int
+    activations: int
+    derived: int
+    trace: int
+    disk: int
+
+    @property
+    def device(self) -> int:
+        """The device memory the rank needs with the model held."""
+        return self.weights + self.caches + self.activations + self.derived
+
+    @property
+    def request(self) -> int:
+        """The device memory a request needs beside the weights."""
+        return self.caches + self.activations + self.derived
+
+    def summary(self) -> dict[str, Any]:
+        gb = lambda n: round(n / GB, 3)  # noqa: E731
+        return {
+            "rank": self.rank,
+            "weights_gb": gb(self.weights),
+            "caches_gb": gb(self.caches),
+            "activations_gb": gb(self.activations),
+            "derived_gb": gb(self.derived),
+            "trace_gb": gb(self.trace),
+            "total_gb": gb(self.device),
+            "disk_gb_per_pass": gb(self.disk),
+        }
+
+
+def _split_model(args, dtype: torch.dtype, mtp: bool, rank: int, world: int):
+    """Rank ``rank``'s part of the model on the meta device, split as a torchrun launch splits it."""
+    from model import parallel
+
+    model = build_model(args, dtype, mtp=mtp).eval()
+    plan = parallel.parallelize(model, fake_group(rank, world)) if world > 1 else None
+    return model, plan
+
+
+def _stored_bytes(model, source: WeightSource) -> int:
+    """What reading this part of the model from ``source`` reads: each parameter's elements at
+    the dtype the checkpoint stores (``model`` may hold the first blocks only)."""
+    specs = source.specs()
+    n_layers = source.args.n_layers  # the MTP module's checkpoint number
+    return sum(p.numel() * specs[to_hf(name, n_layers)].dtype.itemsize for name, p in model.named_parameters())
+
+
+def _signature(plan) -> tuple:
+    if plan is None:
+        return ()
+    return tuple(sorted((name, part.dim, part.stop - part.start) for name, part in plan.parts.items())), len(plan.experts)
+
+
+def _cache_bytes(cache) -> int:
+    buffers = [b for layer in [*cache.layers, cache.mtp] for b in vars(layer).values()]
+    return sum(b.data.untyped_storage().nbytes() for b in buffers if b.data is not None)
+
+
+def count_request(model, plan, tokens: int, generate: int, record: Iterable[str], meta: bool = True) -> dict[str, int]:
+    """Run one request of ``tokens`` prompt positions and ``generate`` new ones through ``model``
+    (meta, or loaded with ``meta=False``) under :class:`Allocations`: the peak of the bare forward
+    (logits only), then of the request with its sites recorded. Returns bytes: ``caches`` (the
+    KV and indexer caches at the end), ``activations`` (the bare peak beside them), ``derived``
+    (what recording adds to the peak on the device), ``trace`` (what it copies to the host)."""
+    from .runner import trace_tokens
+
+    device = torch.device("meta") if meta else next(model.parameters()).device
+    ids = [0] * tokens
+    found = {}
+    for what, sites in (("bare", ["logits.last"]), ("traced", list(record))):
+        caches = []
+        real_cache = model.new_cache
+
+        def new_cache(caches=caches, real_cache=real_cache):
+            cache = real_cache()
+            caches.append(cache)
+            return cache
+
+        model.new_cache = new_cache  # the run's own caches, to count what they hold at the end
+        try:
+            with Allocations(meta) as counted:
+                trace = trace_tokens(model, ids, record=sites, generate=generate, plan=plan, device=device)
+                cache_bytes = _cache_bytes(caches[-1])
+                trace_bytes = sum(t.untyped_storage().nbytes() for t in trace.tensors.values())
+                del trace, caches[:]
+        finally:
+            del model.new_cache
+        found[what] = (counted.peak, cache_bytes, trace_bytes, counted.both_peak)
+    bare, traced = found["bare"], found["traced"]
+    return {
+        "caches": bare[1],
+        "activations": max(bare[0] - bare[1], 0),
+        "derived": max(traced[0] - bare[0], 0),
+        "trace": traced[2],
+        "peak": traced[0],  # device, the traced request
+        "peak_with_host": traced[3],  # device and host together: one CPU process
+    }
+
+
+def _depths(args) -> tuple[int, ...]:
+    """The depths a request is counted at: the dense blocks and one MoE block, and one MoE block
+    more (the whole model where it is no deeper)."""
+    first = min(args.n_dense_layers + 1, args.n_layers)
+    return (first, first + 1) if first + 1 < args.n_layers else (args.n_layers,)
+
+
+def _deep(args, found: list[tuple[int, dict[str, int]]]) -> dict[str, int]:
+    """Figures counted at the depths of :func:`_depths`, extended to ``args.n_layers`` blocks by
+    their step from one depth to the next for every MoE block more."""
+    (d1, first), (d2, last) = found[0], found[-1]
+    more = args.n_layers - d2
+    return {k: max(last[k] + more * (last[k] - first[k]) // max(d2 - d1, 1), 0) for k in last}
+
+
+def plan_rank(
+    source: WeightSource,
+    rank: int = 0,
+    world: int = 1,
+    tokens: int = DEFAULT_TOKENS,
+    generate: int = 0,
+    record: Iterable[str] = ("default",),
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda",
+    mtp: bool | None = None,
+    weights_only: bool = False,
+) -> RankPlan:
+    """Rank ``rank`` of ``world``: its part's bytes, and (unless ``weights_only``) one request's.
+
+    Everything is counted on the model's first blocks: at the two depths of :func:`_depths` (the
+    dense blocks and one MoE block, then one MoE block more), each figure extended by its step
+    from one to the other for every further MoE block. The MoE blocks are one module, split and
+    run alike, so what a rank holds grows by the same bytes per block (its weights, a request's
+    caches and trace); what a request needs at once beside the caches is one block's. A model of
+    at most two MoE blocks is counted whole. Building the 671B model whole on the meta device alone
+    takes longer than counting it this way."""
+    from model.synthetic import truncate_layers
+
+    with_mtp = wants_mtp(source, mtp)
+    held, request = [], []
+    for depth in _depths(source.args):
+        model, plan = _split_model(truncate_layers(source.args, depth), dtype, with_mtp, rank, world)
+        held.append((depth, {"weights": held_bytes(model, device), "disk": _stored_bytes(model, source)}))
+        if not weights_only:
+            request.append((depth, count_request(model, plan, tokens, generate, list(record))))
+    part = _deep(source.args, held)
+    if weights_only:
+        return RankPlan(rank, part["weights"], 0, 0, 0, 0, part["disk"])
+    counted = _deep(source.args, request)
+    return RankPlan(
+        rank, part["weights"], counted["caches"], counted["activations"], counted["derived"], counted["trace"], part["disk"]
+    )
+
+
+# -------------------------------------------------------------------------------------------------
+# every rank, and the decision
+
+
+@dataclass
+class MemoryPlan:
+    """Every rank's :class:`RankPlan` and what follows for devices of ``device_memory`` bytes:
+    ``load`` "resident" when every rank's weights and request fit, else "stream"; ``fits`` whether
+    a request fits at all (streamed: a rank's request beside its largest streamed unit is not
+    counted here, only that the request itself fits)."""
+
+    ranks: list[RankPlan]
+    device_memory: int | None
+    tokens: int
+    generate: int
+    record: list[str] = field(default_factory=list)
+
+    @property
+    def load(self) -> str:
+        if self.device_memory is None:
+            return "resident"
+        return "resident" if all(r.device <= self.device_memory for r in self.ranks) else "stream"
+
+    @property
+    def fits(self) -> bool:
+        if self.device_memory is None:
+            return True
+        return all((r.device if self.load == "resident" else r.request) <= self.device_memory for r in self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "load": self.load,
+            "fits": self.fits,
+            "ranks": len(self.ranks),
+            "device_memory_gb": None if self.device_memory is None else round(self.device_memory / GB, 3),
+            "tokens": self.tokens,
+            "generate": self.generate,
+            "record": self.record,
+            "disk_gb_per_pass": round(sum(r.disk for r in self.ranks) / GB, 3),
+            "per_rank": [r.summary() for r in self.ranks],
+        }
+
+    def headline(self) -> str:
+        """One line: what a server on these devices holds, and what a request reads."""
+        worst = max(self.ranks, key=lambda r: r.device)
+        where = f"{len(self.ranks)} rank{'s' * (len(self.ranks) > 1)}"
+        if self.load == "resident":
+            return (
+                f"resident: each of {where} holds its part ({_gb(worst.weights)} of weights, {_gb(worst.device)} "
+                "with a request); a request reads nothing from disk"
+            )
+        return (
+            f"stream: a rank's part ({_gb(worst.weights)} of weights) with a request ({_gb(worst.device)}) does not fit "
+            f"in {_gb(self.device_memory)}; every forward pass (the prefill and each generated token) reads "
+            f"{_gb(sum(r.disk for r in self.ranks))} from disk over the {where}"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:,.1f} GB"
+
+
+def memory_plan(
+    source: WeightSource,
+    ranks: int = 1,
+    device_memory: int | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    generate: int = 0,
+    record: Iterable[str] = ("default",),
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    mtp: bool | None = None,
+) -> MemoryPlan:
+    """Every rank of a ``ranks``-rank launch, each run once per distinct part (see the module)."""
+    from model.synthetic import truncate_layers
+
+    record = list(record)
+    done: dict[tuple, RankPlan] = {}
+    found = []
+    short = truncate_layers(source.args, _depths(source.args)[-1])
+    for rank in range(ranks):
+        key = _signature(_split_model(short, dtype, wants_mtp(source, mtp), rank, ranks)[1])
+        if key not in done:
+            done[key] = plan_rank(source, rank, ranks, tokens, generate, record, dtype, device, mtp)
+        found.append(RankPlan(**{**asdict(done[key]), "rank": rank}))
+    return MemoryPlan(found, device_memory, tokens, generate, record)
+
+
+@dataclass
+class Load:
+    """How a process holds the model (tracing.cli.loading): ``stream`` or resident, and why."""
+
+    stream: bool
+    weights: int  # this rank's part, held
+    request: int  # the device memory a request of ``tokens`` positions needs beside it
+    free: int  # the device's free memory when decided
+    disk: int  # what one streamed forward pass reads, over every rank
+    ranks: int
+    tokens: int
+    forced: bool = False  # --stream
+    counted: RankPlan | None = None  # this rank's plan for such a request, where it was counted
+
+    @property
+    def mode(self) -> str:
+        return "stream" if self.stream else "resident"
+
+    def line(self) -> str:
+        per = " per rank" if self.ranks > 1 else ""
+        part, free = f"{_gb(self.weights)}{per}", _gb(self.free)
+        if self.forced:
+            why = "as asked (--stream)"
+        elif self.counted is None:
+            why = f"its part, {part}, {'exceeds' if self.stream else 'of'} the {free} free"
+        else:
+            need = f"{_gb(self.request)} for a {self.tokens}-token request"
+            why = f"its part, {part}, and {need} {'exceed' if self.stream else 'of'} the {free} free"
+        if self.stream:
+            passes = "every forward pass (the prefill and each generated token)"
+            return f"model streamed ({why}): {passes} reads {_gb(self.disk)} from disk"
+        return f"model held in memory ({why}); a request reads nothing from disk"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "load": self.mode,
+            "weights_gb": round(self.weights / GB, 3),
+            "request_gb": None if self.counted is None else round(self.request / GB, 3),
+            "free_gb": round(self.free / GB, 3),
+            "disk_gb_per_pass": round(self.disk / GB, 3) if self.stream else 0.0,
+            "tokens": self.tokens,
+            "line": self.line(),
+            "plan": None if self.counted is None else self.counted.summary(),  # rank 0's, where counted
+        }
+
+
+def decide_load(
+    source: WeightSource,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    mtp: bool | None = None,
+    rank: int = 0,
+    world: int = 1,
+    agree: bool = False,
+    tokens: int = DEFAULT_TOKENS,
+    stream: bool | None = None,
+    free: int | None = None,
+) -> Load:
+    """Hold the model or stream it, decided per rank: this rank's part of the model (rank ``rank``
+    of the ``world`` it is split over) plus the memory a request of ``tokens`` positions needs
+    (counted by :func:`plan_rank`, default trace) against its device's free memory (``free``:
+    measured when not given). ``agree``: under torchrun, where every rank calls it (a collective
+    over the world): the model streams when any rank must. ``stream``: True forces it, None decides.
+
+    A part that takes at most a quarter of the free memory is held without counting a request:
+    the count runs the forward on the meta device (seconds), and a request needs less than the
+    weights it runs on (36 GB beside 86 GB per rank for the 671B over 8 ranks at 4,096 tokens)."""
+    tokens = max(1, min(tokens, source.args.max_seq_len))
+    part = plan_rank(source, rank, world, dtype=dtype, device=device, mtp=mtp, weights_only=True)
+    free = available_memory(device) if free is None else free
+    counted = None
+    if stream is None and free / 4 < part.weights <= free:
+        counted = plan_rank(source, rank, world, tokens, 0, ("default",), dtype, device, mtp)
+    request = counted.request if counted is not None else 0
+    must = bool(stream) or part.weights + request > free
+    disk = part.disk
+    if agree:
+        import torch.distributed as dist
+
+        on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(must)], device=on)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        total = torch.tensor([part.disk], dtype=torch.int64, device=on)
+        dist.all_reduce(total)
+        must, disk = bool(flag.item()), int(total.item()) // max(dist.get_world_size() // world, 1)
+    return Load(must, part.weights, request, free, disk, world, tokens, bool(stream), counted)
+
+
+def parse_memory(text: str) -> int:
+    """``141GB``, ``80GiB``, ``1.5TB`` or plain bytes: a device's memory in bytes."""
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper().replace(" ", "")
+    number = s.rstrip("KMGTIB")
+    unit = s[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r} is not an amount of memory: write it like 141GB, 80GiB or 1.5TB")
+    return int(value * units[unit])
