@@ -123,12 +123,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        loaded = open_from_args(args, device, dtype)
+        loaded = open_from_args(args, device, dtype, tokens=args.max_prompt_tokens + args.max_generate)
         # the tensors rank 0 hands out travel where the collectives do: the GPU under NCCL, else the CPU
         model = Model(loaded, world, loaded.device if loaded.device.type == "cuda" else torch.device("cpu"))
         if rank == 0:
             http.ready(model, _facts(loaded, world, limits))
             print(f"serving {loaded.label} on http://{args.host}:{args.port} ({world} rank{'s' * (world > 1)})", file=sys.stderr)
+            if loaded.load is not None:
+                print(loaded.load.line(), file=sys.stderr)
             lead(model, http.state.jobs, stopping)
         else:
             follow(model, limits)
@@ -158,6 +160,7 @@ def _facts(loaded, world: int, limits) -> dict:
         "device": str(loaded.device),
         "ranks": world,
         "stream": loaded.stream,
+        "load": None if loaded.load is None else loaded.load.describe(),  # held or streamed, and the plan
     }
     info = {
         **health,
