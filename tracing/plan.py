@@ -27,7 +27,8 @@ counts what that forward allocates:
 The weights are the parameters and buffers of the split meta model (the part a rank holds; on the
 CPU also the float32-wide copies model.kernels keeps of each FP8 weight, model.stream.held_bytes),
 and what a streamed pass reads from disk is the stored bytes of that part. Ranks whose parts have
-the same shapes (all of them, where the heads, widths and experts divide evenly) are run once.
+the same shapes (all of them, where the heads, widths and experts divide evenly) are counted once
+per process.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from model.checkpoint import WeightSource, build_model, wants_mtp
+from model.checkpoint import CheckpointError, WeightSource, build_model, expected_specs, stored_dtype, wants_mtp
 from model.names import to_hf
 from model.stream import available_memory, held_bytes
 
@@ -80,37 +80,37 @@ class Allocations(TorchDispatchMode):
             out = func(*kept[0], **kept[1])  # the copy to the host, as a meta tensor
             self._note(out, host=True)
             return out
-        out = self._fresh(func, args, kwargs) if on_meta else func(*args, **kwargs)
-        given = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
+        leaves = _leaves((args, kwargs.values()))
+        out = self._fresh(func, args, kwargs, leaves) if on_meta else func(*args, **kwargs)
+        given = {id(t.untyped_storage()) for t in leaves if isinstance(t, torch.Tensor)}
+        for t in _leaves(out):
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given:  # a view or in place: nothing new
                 self._note(t, host=False)
         return out
 
-    def _fresh(self, func, args: tuple, kwargs: dict):
-        """``func`` on meta tensors, its outputs' shapes remembered: the meta device's kernels are
-        Python references (about a millisecond an op), and a MoE block runs the same ops on the
-        same shapes for each of its experts. Only ops that return new tensors are remembered (not
-        views, not in-place ones), so what the mode counts is the same either way."""
-        schema = func._schema
-        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-            return func(*args, **kwargs)
-        leaves, _ = tree_flatten((args, kwargs))
+    def _fresh(self, func, args: tuple, kwargs: dict, leaves: list):
+        """``func`` on meta tensors, what it made remembered: the meta device's kernels are Python
+        references (about a millisecond an op), and a MoE block runs the same ops on the same
+        shapes for each of its experts. An op seen with the same shapes and arguments makes the
+        same outputs: new tensors of the same shapes, the same input back (in place), or views of
+        the same input at the same strides. What the mode counts is the same either way."""
         try:
             key = (func, *(_key(leaf) for leaf in leaves))
             hash(key)
         except TypeError:
             return func(*args, **kwargs)
         made = self._made.get(key)
-        if made is None:
-            out = func(*args, **kwargs)
-            outs, spec = tree_flatten(out)
-            if all(isinstance(t, torch.Tensor) and t.is_meta for t in outs):
-                self._made[key] = ([(t.shape, t.stride(), t.dtype) for t in outs], spec)
-            return out
-        shapes, spec = made
-        made = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in shapes]
-        return tree_unflatten(made, spec)
+        if made is not None:
+            recipes, kind = made
+            outs = [_remake(recipe, leaves) for recipe in recipes]
+            return outs[0] if kind is None else kind(outs)
+        out = func(*args, **kwargs)
+        kind = None if isinstance(out, torch.Tensor) else type(out)
+        outs = [out] if kind is None else list(out) if kind in (tuple, list) else [None]
+        recipes = [_recipe(t, leaves) for t in outs]
+        if all(r is not None for r in recipes) and all(_key(leaf) == k for leaf, k in zip(leaves, key[1:], strict=True)):
+            self._made[key] = (recipes, kind)  # not when an op changed an input's shape (unsqueeze_)
+        return out
 
     def _note(self, t: torch.Tensor, host: bool) -> None:
         storage = t.untyped_storage()
@@ -159,8 +159,44 @@ def _key(value):
     """What an op's result shapes can depend on: a tensor's shape, strides and dtype (on meta, no
     values), any other argument itself."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.stride(), value.dtype, value.device.type)
+        return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device.type)
     return value
+
+
+def _leaves(value) -> list:
+    """The tensors and other values in an op's arguments or results (tuples and lists opened)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple | type({}.values())):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+def _recipe(out, leaves: list) -> tuple | None:
+    """How to make ``out`` again from the op's inputs: an input itself, a view of one, or a new
+    tensor; None when it is none of those (not a meta tensor)."""
+    if not isinstance(out, torch.Tensor) or not out.is_meta:
+        return None
+    for i, leaf in enumerate(leaves):
+        if out is leaf:
+            return ("same", i)
+    storage = id(out.untyped_storage())
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and id(leaf.untyped_storage()) == storage:
+            if leaf.dtype != out.dtype:
+                return None
+            return ("view", i, tuple(out.shape), out.stride(), out.storage_offset())
+    return ("new", tuple(out.shape), out.stride(), out.dtype)
+
+
+def _remake(recipe: tuple, leaves: list) -> torch.Tensor:
+    if recipe[0] == "same":
+        return leaves[recipe[1]]
+    if recipe[0] == "view":
+        _, i, size, stride, offset = recipe
+        return leaves[i].as_strided(size, stride, offset)
+    _, size, stride, dtype = recipe
+    return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
 
 def _balanced(n: int, bins: int) -> torch.Tensor:
@@ -177,6 +213,29 @@ def fake_group(rank: int, world: int):
 
     make = getattr(FakeProcessGroup, "_create_internal", None)
     return make(rank, world) if make is not None else FakeProcessGroup(rank, world)
+
+
+class ConfigSource(WeightSource):
+    """The checkpoint a config describes, as far as a plan reads it: its architecture, the MTP
+    module included when the config declares one (the released checkpoints hold it), and the
+    dtype each tensor is stored in. Its values cannot be read, and its list of tensors is made
+    only when asked (it builds the whole model on the meta device: seconds for the 671B)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.mtp = bool(args.n_mtp_layers)
+        self._specs = None
+
+    def specs(self):
+        if self._specs is None:
+            self._specs = expected_specs(self.args, mtp=self.mtp)
+        return self._specs
+
+    def load(self, name, device="cpu"):
+        raise CheckpointError(f"{name}: a config describes a checkpoint, it holds no values")
+
+    def where(self, name: str) -> str:
+        return f"config:{name}"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -197,6 +256,7 @@ class RankPlan:
     derived: int
     trace: int
     disk: int
+    peak: int = 0  # device and host together at the request's peak: what one CPU process holds beside the weights
 
     @property
     def device(self) -> int:
@@ -234,9 +294,17 @@ def _split_model(args, dtype: torch.dtype, mtp: bool, rank: int, world: int):
 def _stored_bytes(model, source: WeightSource) -> int:
     """What reading this part of the model from ``source`` reads: each parameter's elements at
     the dtype the checkpoint stores (``model`` may hold the first blocks only)."""
+    args = source.args
+    if isinstance(source, ConfigSource):  # the stored dtypes as a checkpoint of that config has them
+        return sum(p.numel() * stored_dtype(name, p.dtype, args.has_indexer).itemsize for name, p in model.named_parameters())
     specs = source.specs()
-    n_layers = source.args.n_layers  # the MTP module's checkpoint number
-    return sum(p.numel() * specs[to_hf(name, n_layers)].dtype.itemsize for name, p in model.named_parameters())
+    return sum(p.numel() * specs[to_hf(name, args.n_layers)].dtype.itemsize for name, p in model.named_parameters())
+
+
+def _wants_mtp(source: WeightSource, mtp: bool | None) -> bool:
+    if isinstance(source, ConfigSource):
+        return source.mtp if mtp is None else mtp and source.mtp
+    return wants_mtp(source, mtp)
 
 
 def _signature(plan) -> tuple:
@@ -298,6 +366,11 @@ def _depths(args) -> tuple[int, ...]:
     return (first, first + 1) if first + 1 < args.n_layers else (args.n_layers,)
 
 
+# what plan_rank counted in this process: a rank's part by config and rank, a request by config and part shapes
+_HELD: dict[tuple, tuple[dict[str, int], tuple]] = {}
+_COUNTED: dict[tuple, dict[str, int]] = {}
+
+
 def _deep(args, found: list[tuple[int, dict[str, int]]]) -> dict[str, int]:
     """Figures counted at the depths of :func:`_depths`, extended to ``args.n_layers`` blocks by
     their step from one depth to the next for every MoE block more."""
@@ -329,20 +402,26 @@ def plan_rank(
     takes longer than counting it this way."""
     from model.synthetic import truncate_layers
 
-    with_mtp = wants_mtp(source, mtp)
-    held, request = [], []
-    for depth in _depths(source.args):
-        model, plan = _split_model(truncate_layers(source.args, depth), dtype, with_mtp, rank, world)
-        held.append((depth, {"weights": held_bytes(model, device), "disk": _stored_bytes(model, source)}))
-        if not weights_only:
-            request.append((depth, count_request(model, plan, tokens, generate, list(record))))
-    part = _deep(source.args, held)
+    with_mtp = _wants_mtp(source, mtp)
+
+    def parts():  # (depth, this rank's part built to that depth, its split) for each depth counted
+        for depth in _depths(source.args):
+            yield (depth, *_split_model(truncate_layers(source.args, depth), dtype, with_mtp, rank, world))
+
+    where = (source.args, with_mtp, dtype, torch.device(device).type, rank, world)
+    if where not in _HELD:
+        built = list(parts())
+        held = [(d, {"weights": held_bytes(m, device), "disk": _stored_bytes(m, source)}) for d, m, _ in built]
+        _HELD[where] = (_deep(source.args, held), tuple(_signature(p) for _, _, p in built))
+    part, shapes = _HELD[where]
     if weights_only:
         return RankPlan(rank, part["weights"], 0, 0, 0, 0, part["disk"])
-    counted = _deep(source.args, request)
-    return RankPlan(
-        rank, part["weights"], counted["caches"], counted["activations"], counted["derived"], counted["trace"], part["disk"]
-    )
+    key = (source.args, with_mtp, dtype, world, tokens, generate, tuple(record), shapes)
+    if key not in _COUNTED:  # ranks of one shape, and a plan asked again, count once
+        _COUNTED[key] = _deep(source.args, [(d, count_request(m, p, tokens, generate, list(record))) for d, m, p in parts()])
+    counted = _COUNTED[key]
+    figures = [counted[k] for k in ("caches", "activations", "derived", "trace")]
+    return RankPlan(rank, part["weights"], *figures, part["disk"], counted["peak_with_host"])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -418,18 +497,9 @@ def memory_plan(
     device: str = "cuda",
     mtp: bool | None = None,
 ) -> MemoryPlan:
-    """Every rank of a ``ranks``-rank launch, each run once per distinct part (see the module)."""
-    from model.synthetic import truncate_layers
-
+    """Every rank of a ``ranks``-rank launch (ranks whose parts have the same shapes counted once)."""
     record = list(record)
-    done: dict[tuple, RankPlan] = {}
-    found = []
-    short = truncate_layers(source.args, _depths(source.args)[-1])
-    for rank in range(ranks):
-        key = _signature(_split_model(short, dtype, wants_mtp(source, mtp), rank, ranks)[1])
-        if key not in done:
-            done[key] = plan_rank(source, rank, ranks, tokens, generate, record, dtype, device, mtp)
-        found.append(RankPlan(**{**asdict(done[key]), "rank": rank}))
+    found = [plan_rank(source, rank, ranks, tokens, generate, record, dtype, device, mtp) for rank in range(ranks)]
     return MemoryPlan(found, device_memory, tokens, generate, record)
 
 
@@ -441,7 +511,7 @@ class Load:
     weights: int  # this rank's part, held
     request: int  # the device memory a request of ``tokens`` positions needs beside it
     free: int  # the device's free memory when decided
-    disk: int  # what one streamed forward pass reads, over every rank
+    disk: int  # what one streamed forward pass reads on this rank
     ranks: int
     tokens: int
     forced: bool = False  # --stream
@@ -463,7 +533,7 @@ class Load:
             why = f"its part, {part}, and {need} {'exceed' if self.stream else 'of'} the {free} free"
         if self.stream:
             passes = "every forward pass (the prefill and each generated token)"
-            return f"model streamed ({why}): {passes} reads {_gb(self.disk)} from disk"
+            return f"model streamed ({why}): {passes} reads {_gb(self.disk)}{per} from disk"
         return f"model held in memory ({why}); a request reads nothing from disk"
 
     def describe(self) -> dict[str, Any]:
@@ -508,17 +578,13 @@ def decide_load(
         counted = plan_rank(source, rank, world, tokens, 0, ("default",), dtype, device, mtp)
     request = counted.request if counted is not None else 0
     must = bool(stream) or part.weights + request > free
-    disk = part.disk
     if agree:
         import torch.distributed as dist
 
-        on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([int(must)], device=on)
+        flag = torch.tensor([int(must)], device=device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        total = torch.tensor([part.disk], dtype=torch.int64, device=on)
-        dist.all_reduce(total)
-        must, disk = bool(flag.item()), int(total.item()) // max(dist.get_world_size() // world, 1)
-    return Load(must, part.weights, request, free, disk, world, tokens, bool(stream), counted)
+        must = bool(flag.item())
+    return Load(must, part.weights, request, free, part.disk, world, tokens, bool(stream), counted)
 
 
 def parse_memory(text: str) -> int:

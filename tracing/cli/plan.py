@@ -46,8 +46,8 @@ def add_parser(sub) -> None:
 def _source(args: argparse.Namespace):
     from model.checkpoint import SafetensorsSource
     from model.config import ModelArgs
-    from model.synthetic import SyntheticSource
 
+    from ..plan import ConfigSource
     from .loading import resolve_checkpoint
 
     if args.checkpoint:
@@ -55,7 +55,7 @@ def _source(args: argparse.Namespace):
         if not directory.is_dir():
             raise InputError(f"--checkpoint {args.checkpoint}: not a directory")
         return SafetensorsSource(directory)
-    return SyntheticSource(ModelArgs.from_file(regular_file(args.config, "config file", CONFIG_BYTES)))
+    return ConfigSource(ModelArgs.from_file(regular_file(args.config, "config file", CONFIG_BYTES)))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
