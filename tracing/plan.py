@@ -297,8 +297,13 @@ def _stored_bytes(model, source: WeightSource) -> int:
     args = source.args
     if isinstance(source, ConfigSource):  # the stored dtypes as a checkpoint of that config has them
         return sum(p.numel() * stored_dtype(name, p.dtype, args.has_indexer).itemsize for name, p in model.named_parameters())
-    specs = source.specs()
-    return sum(p.numel() * specs[to_hf(name, args.n_layers)].dtype.itemsize for name, p in model.named_parameters())
+    specs = source.specs()  # a tensor it lacks is counted at the model's dtype; loading names it
+
+    def itemsize(name: str, p: torch.Tensor) -> int:
+        spec = specs.get(to_hf(name, args.n_layers))
+        return (spec.dtype if spec is not None else p.dtype).itemsize
+
+    return sum(p.numel() * itemsize(name, p) for name, p in model.named_parameters())
 
 
 def _wants_mtp(source: WeightSource, mtp: bool | None) -> bool:
@@ -307,9 +312,17 @@ def _wants_mtp(source: WeightSource, mtp: bool | None) -> bool:
     return wants_mtp(source, mtp)
 
 
-def _signature(plan) -> tuple:
-    if plan is None:
+def _shapes(args, dtype: torch.dtype, mtp: bool, rank: int, world: int) -> tuple:
+    """The shapes of rank ``rank``'s part (model.parallel.make_plan, on one unsplit meta model per
+    config): ranks with the same shapes hold and allocate the same bytes."""
+    from model import parallel
+
+    if world == 1:
         return ()
+    key = (args, dtype, mtp)
+    if key not in _UNSPLIT:
+        _UNSPLIT[key] = build_model(args, dtype, mtp=mtp)
+    plan = parallel.make_plan(_UNSPLIT[key], rank, world)
     return tuple(sorted((name, part.dim, part.stop - part.start) for name, part in plan.parts.items())), len(plan.experts)
 
 
@@ -318,44 +331,50 @@ def _cache_bytes(cache) -> int:
     return sum(b.data.untyped_storage().nbytes() for b in buffers if b.data is not None)
 
 
-def count_request(model, plan, tokens: int, generate: int, record: Iterable[str], meta: bool = True) -> dict[str, int]:
-    """Run one request of ``tokens`` prompt positions and ``generate`` new ones through ``model``
-    (meta, or loaded with ``meta=False``) under :class:`Allocations`: the peak of the bare forward
-    (logits only), then of the request with its sites recorded. Returns bytes: ``caches`` (the
-    KV and indexer caches at the end), ``activations`` (the bare peak beside them), ``derived``
-    (what recording adds to the peak on the device), ``trace`` (what it copies to the host)."""
+def count_run(model, plan, tokens: int, generate: int, record: Iterable[str], meta: bool = True) -> dict[str, int]:
+    """One request of ``tokens`` prompt positions and ``generate`` new ones, recording ``record``,
+    run through ``model`` (meta, or loaded with ``meta=False``) under :class:`Allocations`.
+    Returns bytes: ``peak`` (the device), ``peak_with_host`` (device and host together),
+    ``caches`` (the KV and indexer caches at the end) and ``trace`` (the trace's tensors)."""
     from .runner import trace_tokens
 
     device = torch.device("meta") if meta else next(model.parameters()).device
-    ids = [0] * tokens
-    found = {}
-    for what, sites in (("bare", ["logits.last"]), ("traced", list(record))):
-        caches = []
-        real_cache = model.new_cache
+    caches = []
+    real_cache = model.new_cache
 
-        def new_cache(caches=caches, real_cache=real_cache):
-            cache = real_cache()
-            caches.append(cache)
-            return cache
+    def new_cache():
+        cache = real_cache()
+        caches.append(cache)
+        return cache
 
-        model.new_cache = new_cache  # the run's own caches, to count what they hold at the end
-        try:
-            with Allocations(meta) as counted:
-                trace = trace_tokens(model, ids, record=sites, generate=generate, plan=plan, device=device)
-                cache_bytes = _cache_bytes(caches[-1])
-                trace_bytes = sum(t.untyped_storage().nbytes() for t in trace.tensors.values())
-                del trace, caches[:]
-        finally:
-            del model.new_cache
-        found[what] = (counted.peak, cache_bytes, trace_bytes, counted.both_peak)
-    bare, traced = found["bare"], found["traced"]
+    model.new_cache = new_cache  # the run's own caches, to count what they hold at the end
+    try:
+        with Allocations(meta) as counted:
+            trace = trace_tokens(model, [0] * tokens, record=list(record), generate=generate, plan=plan, device=device)
+            found = {
+                "caches": _cache_bytes(caches[-1]),
+                "trace": sum(t.untyped_storage().nbytes() for t in trace.tensors.values()),
+            }
+            del trace, caches[:]
+    finally:
+        del model.new_cache
+    return {**found, "peak": counted.peak, "peak_with_host": counted.both_peak}
+
+
+def count_request(model, plan, tokens: int, generate: int, record: Iterable[str], meta: bool = True) -> dict[str, int]:
+    """:func:`count_run` of the bare forward (logits only), then of the request with its sites
+    recorded. Returns bytes: ``caches`` (the request's), ``activations`` (the bare peak beside its caches),
+    ``derived`` (what recording adds to the peak on the device), ``trace`` (what it copies to the
+    host), ``peak`` and ``peak_with_host`` (the recorded run's)."""
+    bare = count_run(model, plan, tokens, generate, ["logits.last"], meta)
+    traced = count_run(model, plan, tokens, generate, record, meta)
     return {
-        "caches": bare[1],
-        "activations": max(bare[0] - bare[1], 0),
-        "derived": max(traced[0] - bare[0], 0),
-        "trace": traced[2],
-        "peak": traced[0],  # device, the traced request
-        "peak_with_host": traced[3],  # device and host together: one CPU process
+        "caches": traced["caches"],  # the MTP module's too, where its sites run it
+        "activations": max(bare["peak"] - bare["caches"], 0),
+        "derived": max(traced["peak"] - bare["peak"], 0),
+        "trace": traced["trace"],
+        "peak": traced["peak"],
+        "peak_with_host": traced["peak_with_host"],
     }
 
 
@@ -367,7 +386,8 @@ def _depths(args) -> tuple[int, ...]:
 
 
 # what plan_rank counted in this process: a rank's part by config and rank, a request by config and part shapes
-_HELD: dict[tuple, tuple[dict[str, int], tuple]] = {}
+_HELD: dict[tuple, dict[str, int]] = {}
+_UNSPLIT: dict[tuple, object] = {}  # a config's meta model, to read each rank's part shapes from
 _COUNTED: dict[tuple, dict[str, int]] = {}
 
 
@@ -408,12 +428,12 @@ def plan_rank(
         for depth in _depths(source.args):
             yield (depth, *_split_model(truncate_layers(source.args, depth), dtype, with_mtp, rank, world))
 
-    where = (source.args, with_mtp, dtype, torch.device(device).type, rank, world)
-    if where not in _HELD:
-        built = list(parts())
-        held = [(d, {"weights": held_bytes(m, device), "disk": _stored_bytes(m, source)}) for d, m, _ in built]
-        _HELD[where] = (_deep(source.args, held), tuple(_signature(p) for _, _, p in built))
-    part, shapes = _HELD[where]
+    shapes = tuple(_shapes(truncate_layers(source.args, d), dtype, with_mtp, rank, world) for d in _depths(source.args))
+    where = (source.args, with_mtp, dtype, torch.device(device).type, world, shapes)
+    if where not in _HELD:  # ranks of one shape hold the same bytes
+        held = [(d, {"weights": held_bytes(m, device), "disk": _stored_bytes(m, source)}) for d, m, _ in parts()]
+        _HELD[where] = _deep(source.args, held)
+    part = _HELD[where]
     if weights_only:
         return RankPlan(rank, part["weights"], 0, 0, 0, 0, part["disk"])
     key = (source.args, with_mtp, dtype, world, tokens, generate, tuple(record), shapes)
@@ -483,7 +503,7 @@ class MemoryPlan:
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:,.1f} GB"
+    return f"{n / GB:,.1f} GB" if n >= GB / 10 else f"{n / 1e6:,.1f} MB"
 
 
 def memory_plan(

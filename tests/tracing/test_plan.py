@@ -8,6 +8,10 @@ the decision per rank on the 671B config split over 8 simulated ranks, with a pa
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +24,12 @@ from model.synthetic import SyntheticSource
 from tracing.cli.commands import main
 from tracing.cli.loading import DEMO, open_checkpoint
 from tracing.cli.serve import _facts
-from tracing.plan import ConfigSource, count_request, decide_load, plan_rank
+from tracing.plan import ConfigSource, count_run, decide_load, plan_rank
 from tracing.server.wire import Limits
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "assets/configs/config_671B_hf.json"
-MID = ModelArgs(  # scripts/trace_fixtures.py's mid-size model: FP8 blocks of real width, 64 experts
+MID = ModelArgs(  # scripts/trace_fixtures.py's mid-size model (FP8 blocks of real width), with 32 experts
     vocab_size=16384,
     dim=1024,
     inter_dim=2816,
@@ -33,7 +37,7 @@ MID = ModelArgs(  # scripts/trace_fixtures.py's mid-size model: FP8 blocks of re
     n_layers=3,
     n_dense_layers=1,
     n_heads=8,
-    n_routed_experts=64,
+    n_routed_experts=32,
     n_shared_experts=1,
     n_activated_experts=6,
     n_expert_groups=8,
@@ -61,13 +65,13 @@ MID = ModelArgs(  # scripts/trace_fixtures.py's mid-size model: FP8 blocks of re
 def test_the_plan_predicts_the_peak_a_real_cpu_run_allocates(source, tokens):
     predicted = plan_rank(source, tokens=tokens, device="cpu")
     model = load_model(source, "cpu")
-    count_request(model, None, 8, 0, ["default"], meta=False)  # the CPU's weight copies, made once
-    measured = count_request(model, None, tokens, 0, ["default"], meta=False)
+    count_run(model, None, 8, 0, ["default"], meta=False)  # the CPU's weight copies, made once
+    measured = count_run(model, None, tokens, 0, ["default"], meta=False)
     assert abs(predicted.peak - measured["peak"]) <= 0.2 * measured["peak"]
     assert predicted.trace == measured["trace"]  # the trace file's tensors, byte for byte
     assert predicted.caches == measured["caches"]
     with kernels.plain():  # the products as a GPU forms them (the CPU backend keeps leaner buffers)
-        bare = count_request(model, None, tokens, 0, ["logits.last"], meta=False)
+        bare = count_run(model, None, tokens, 0, ["logits.last"], meta=False)
     assert abs(predicted.activations + predicted.caches - bare["peak"]) <= 0.2 * bare["peak"]
 
 
@@ -90,6 +94,35 @@ def test_each_of_8_ranks_decides_from_its_own_part_of_the_671b():
         )
     whole = decide_load(source, cuda, tokens=4096, free=int(141e9))  # one process: the whole model
     assert whole.stream and whole.weights > 600e9
+
+
+AGREE = """
+import sys, torch
+from model import parallel
+from model.checkpoint import SafetensorsSource
+from tracing.plan import decide_load
+dist = parallel.init_distributed("cpu")
+free = 10**12 if dist.rank == 0 else 10**6  # only rank 1's device is too small
+load = decide_load(SafetensorsSource(sys.argv[1]), torch.device("cpu"), rank=dist.rank, world=2, agree=True, free=free)
+print(dist.rank, load.mode, flush=True)
+"""
+
+
+def test_ranks_agree_to_stream_when_one_rank_must(tiny_checkpoint):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+        + ["--master-port", str(port), "--no-python", sys.executable, "-c", AGREE, str(tiny_checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(proc.stdout.split()) == sorted(["0", "stream", "1", "stream"])
 
 
 def test_the_plan_command_for_a_node(capsys):
