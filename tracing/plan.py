@@ -15,9 +15,10 @@ counts what that forward allocates:
   freed. The live total at each op, and its peak, is what a caching allocator would
   be asked for, without its rounding and fragmentation.
 - The same mode measures a real run on the CPU (``meta=False``): the tests compare the prediction
-  on meta tensors with that measurement over real tensors (tests/tracing/test_plan.py). tracemalloc
-  does not see torch's allocations and the process's RSS moves with the allocator's caching; live
-  storage bytes are what both devices hold.
+  on meta tensors with that measurement over real tensors, the CPU backend switched off
+  (``model.kernels.plain``: the products as a GPU forms them; its own routes keep leaner buffers,
+  so on the CPU the plan is an upper bound). tracemalloc does not see torch's allocations and the
+  process's RSS moves with the allocator's caching; live storage bytes are what both devices hold.
 - The meta device has no values. The few places that read one are answered here: a copy to the
   host (the trace's ``.cpu()``) stays meta and is counted as host memory, a number read
   (``.item()``) is 0 and a truth value (``bool()``, the forward's checks) true, and
