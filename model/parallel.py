@@ -121,7 +121,7 @@ class ColumnParallelHead(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x).contiguous()
-        parts = [torch.empty_like(y) for _ in range(dist.get_world_size(self.group))]
+        parts = [torch.empty_like(y) for _ in range(rank_world(self.group)[1])]
         dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1)
 
@@ -156,6 +156,15 @@ class ExpertParallelMoE(MoE):
 
 class ExpertParallelMoEV3(ExpertParallelMoE, MoEV3):
     """Routed experts split over ranks, with DeepSeek-V3's arithmetic (a model without the indexer)."""
+
+
+def rank_world(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and its size (None: the world, one process without one). A
+    group is asked itself, so that one made apart from the world works too (tracing.plan runs
+    each rank's part alone over a fake group)."""
+    if group is None:
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return group.rank(), group.size()
 
 
 def _swap(module: nn.Module, cls: type, **attrs: Any) -> None:
@@ -258,8 +267,7 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
     """Split ``model`` (on the meta device, or loaded) for this rank of ``group`` (default: the
     world); returns the plan. A loaded model keeps its part of each weight; a meta model gets
     parameters of its part's shape, to load with :func:`materialize_parallel` or to stream."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    rank, world = rank_world(group)
     plan = make_plan(model, rank, world, strict)
     plan.group = group
     if world == 1:
@@ -410,4 +418,5 @@ __all__ = [
     "model_groups",
     "materialize_parallel",
     "parallelize",
+    "rank_world",
 ]

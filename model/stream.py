@@ -27,7 +27,8 @@ or, to call the model yourself (several calls, hooks of your own):
         logits = model(tokens)
     streamer.stats.bytes_read
 
-:func:`should_stream` decides "automatic": stream when the loaded model would not fit.
+:func:`held_bytes` and :func:`available_memory` are what tracing.plan.decide_load compares to
+decide "automatic": stream when a rank's part with a request would not fit.
 """
 
 from __future__ import annotations
@@ -555,6 +556,18 @@ def model_bytes(source: WeightSource, device: torch.device | str = "cpu") -> int
     return total
 
 
+def held_bytes(model: nn.Module, device: torch.device | str = "cpu") -> int:
+    """Memory ``model`` (built on the meta device, whole or split for one rank by
+    model.parallel.parallelize) takes once loaded on ``device``: its parameters and buffers as the
+    model holds them, plus on the CPU the copies model.kernels keeps of each FP8 weight (4 bytes
+    per weight, as :func:`model_bytes`)."""
+    cpu = torch.device(device).type == "cpu"
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if cpu:
+        total += sum(4 * p.numel() for p in model.parameters() if p.dtype == FP8)
+    return total
+
+
 def available_memory(device: torch.device | str = "cpu") -> int:
     """Free memory of ``device`` in bytes (CUDA: free device memory; CPU: MemAvailable)."""
     device = torch.device(device)
@@ -571,19 +584,13 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def should_stream(source: WeightSource, device: torch.device | str = "cpu", reserve: float = 0.15) -> bool:
-    """True when the loaded model would not fit in ``device``'s free memory, keeping ``reserve``
-    (a fraction) of it for activations: the CLI's "automatic" streaming."""
-    return model_bytes(source, device) > available_memory(device) * (1.0 - reserve)
-
-
 __all__ = [
     "StreamEvent",
     "StreamStats",
     "Streamer",
     "UnitStats",
     "available_memory",
+    "held_bytes",
     "model_bytes",
-    "should_stream",
     "stream_forward",
 ]

@@ -450,7 +450,7 @@ def trace_tokens(
             "stopped": stopped or "length",
             **sampling.describe(),
         }
-        if "mtp.topk_indices" in values:  # the MTP module's drafts of the tokens it wrote
+        if "mtp.topk_indices" in values and not values["mtp.topk_indices"].is_meta:  # its drafts (meta: tracing.plan)
             info["generation"]["mtp_acceptance"] = acceptance(ids, values["mtp.topk_indices"], n_prompt)
     if (said := mtp_note(model)) is not None:
         info["mtp"] = said

@@ -102,14 +102,18 @@ class RemoteModel(AppModel):
     def describe(self) -> list[str]:
         a, f = self.args, self.facts
         ranks = f"{f['ranks']} ranks" if f["ranks"] > 1 else "1 process"
+        held = None
         try:
             health = self.client.health()
             load = f"queue {health['queue']}, {'busy' if health['running'] else 'idle'}"
+            said = health.get("load")  # held or streamed, and its memory (tracing.plan)
+            held = said.get("line") if isinstance(said, dict) else None
         except InputError:
             load = "not answering now"
         return [
             f"{f['model']}: {a.n_layers} blocks, d = {a.dim}, {a.n_routed_experts} experts, vocabulary {a.vocab_size:,}",
             f"model server {self.client.url}: {ranks} on {f['device']}, {f['dtype']}; {load}",
+            *([held[:300]] if isinstance(held, str) else []),
         ]
 
     def has_tokenizer(self) -> bool:

@@ -36,6 +36,7 @@ def test_the_app_opens_on_the_server_and_traces_there(app, server, app_checkpoin
     assert app.session_state["source"] == "server" and not app.error, messages(app.error)
     caption = messages(app.sidebar.caption)
     assert f"model server {server}: 2 ranks on cpu" in caption
+    assert "model held in memory (its part, " in caption and "a request reads nothing from disk" in caption
     entry = shown_entry(app)
     assert entry.key.checkpoint == server
     loaded = open_checkpoint(app_checkpoint)

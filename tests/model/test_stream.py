@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from model import TINY
-from model.checkpoint import SafetensorsSource, TensorReader, WeightSource, build_model, load_model
+from model.checkpoint import SafetensorsSource, TensorReader, WeightSource, build_model, has_mtp, load_model
 from model.hooks import HookPoint
-from model.stream import Streamer, model_bytes, should_stream, stream_forward
+from model.stream import Streamer, held_bytes, model_bytes, stream_forward
 from model.synthetic import SyntheticSource, synthetic_source
 from tests.model.test_mtp import IDS, MTP_ARGS, mtp_checkpoint
 from tracing.analyses.mtp import NOTE_SKIPPED
@@ -170,13 +170,13 @@ def test_streaming_needs_a_meta_model_and_names_a_missing_tensor(tiny_model, tin
         stream_forward(model, bad, tokens, "cpu")
 
 
-def test_should_stream_decides_from_the_weights_and_free_memory(tiny_source):
-    assert not should_stream(tiny_source, "cpu")
+def test_model_bytes_counts_the_weights_as_held(tiny_source):
     real = synthetic_source(REPO / "assets/configs/config_671B_hf.json", n_layers=4)  # 17 GB, 19 GB held (float32 head)
     fp8_bytes = model_bytes(real, "cuda")
     assert 18e9 < fp8_bytes < 20e9
     assert model_bytes(real, "cpu") > 3 * fp8_bytes  # plus the float32 copies Linear keeps on the CPU
-    assert should_stream(real, "cpu")  # more than this machine has
+    for device in ("cpu", "cuda"):  # the built model's own parameters and buffers say the same
+        assert held_bytes(build_model(real.args, mtp=has_mtp(real)), device) == model_bytes(real, device)
     fp8 = [s for s in tiny_source.specs().values() if s.dtype == torch.float8_e4m3fn]
     assert model_bytes(tiny_source, "cpu") == model_bytes(tiny_source, "cuda") + 4 * sum(s.shape[0] * s.shape[1] for s in fp8)
 

@@ -26,6 +26,7 @@ from ..tokenizer import TokenizerError
 from ..trace import Trace, TraceError
 from . import atlas as atlas_cli
 from . import patching as patching_cli
+from . import plan as plan_cli
 from . import serve
 from .inputs import Parser, add_intervention_flags, finite, integer, intervention_spec, is_int, named_path, regular_file
 from .loading import (
@@ -531,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     atlas_cli.add_parser(sub)
     patching_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     serve.add_parser(sub)
     return parser
 

@@ -81,15 +81,16 @@ class _NoServer(argparse.Action):
         raise InputError(f"{parser.prog} --server: {self.why}")
 
 
-def open_from_args(args, device, dtype, progress=None, split: bool = True, group=None) -> Loaded:
-    """The model that :func:`add_source_options` and :func:`add_device_options` named."""
+def open_from_args(args, device, dtype, progress=None, split: bool = True, group=None, tokens: int | None = None) -> Loaded:
+    """The model that :func:`add_source_options` and :func:`add_device_options` named (``tokens``:
+    the positions a request may hold, for the decision to stream)."""
     stream = True if args.stream else None  # None: stream when the model does not fit in memory
     if args.synthetic:
-        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split, group)
+        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split, group, tokens=tokens)
     if args.n_layers is not None:
         raise InputError("--n-layers applies to --synthetic only")
     mtp = False if getattr(args, "no_mtp", False) else None
-    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split, group, mtp=mtp)
+    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split, group, mtp=mtp, tokens=tokens)
 
 
 def parse_device(name: str) -> torch.device:
@@ -120,6 +121,7 @@ class Loaded:
     stream: bool = False
     plan: object = None
     progress: object = None
+    load: object = None  # tracing.plan.Load: held or streamed, and why (None where not decided)
 
     def context(self):
         if not self.stream:
@@ -162,30 +164,39 @@ def open_source(
     split: bool = True,
     group=None,
     mtp: bool | None = None,
+    tokens: int | None = None,
 ) -> Loaded:
-    """Load ``source`` for tracing: whole, or streamed (``stream``; None decides by free memory),
-    over the ranks of a torchrun launch when there is one (``split``: tensor and expert parallel
-    over ``group``, default every rank; without it every rank holds the whole model, for data
-    parallel work). ``mtp``: the checkpoint's MTP module (None: loaded when it has one; streamed
-    like a block, split over the ranks like a block)."""
+    """Load ``source`` for tracing: whole, or streamed (``stream``; None decides per rank, by
+    tracing.plan.decide_load: this rank's part and a request of ``tokens`` positions against its
+    device's free memory, every rank of a torchrun launch agreeing), over the ranks of a torchrun
+    launch when there is one (``split``: tensor and expert parallel over ``group``, default every
+    rank; without it every rank holds the whole model, for data parallel work). ``mtp``: the
+    checkpoint's MTP module (None: loaded when it has one; streamed like a block, split over the
+    ranks like a block). The decision is ``Loaded.load``."""
     from model import parallel
-    from model.stream import should_stream
+
+    from ..plan import DEFAULT_TOKENS, decide_load
 
     device = torch.device(device)
     dist = parallel.init_distributed(device)
     if dist is not None:
         device = dist.device
-    if stream is None:
-        stream = should_stream(source, device)
+    rank, world = parallel.rank_world(group) if dist is not None and split else (0, 1)
+    load = None
+    if stream is not False:  # None decides, True is said as forced
+        load = decide_load(
+            source, device, dtype, mtp, rank, world, dist is not None, tokens or DEFAULT_TOKENS, True if stream else None
+        )
+        stream = load.stream
     if stream:
         model = build_model(source.args, dtype, mtp=wants_mtp(source, mtp))
         plan = parallel.parallelize(model, group) if dist is not None and split else None
         check_mtp_copies(model, source, plan.parts if plan is not None else None)
-        return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress)
+        return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress, load)
     if dist is not None and split:
         model, plan = parallel.load_parallel(source, device, dtype, group, mtp=mtp)
-        return Loaded(model, tokenizer, source, label, device, False, plan)
-    return Loaded(load_model(source, device, dtype, mtp=mtp), tokenizer, source, label, device)
+        return Loaded(model, tokenizer, source, label, device, False, plan, load=load)
+    return Loaded(load_model(source, device, dtype, mtp=mtp), tokenizer, source, label, device, load=load)
 
 
 def open_checkpoint(
@@ -197,12 +208,13 @@ def open_checkpoint(
     split: bool = True,
     group=None,
     mtp: bool | None = None,
+    tokens: int | None = None,
 ) -> Loaded:
     directory = resolve_checkpoint(path)
     source = SafetensorsSource(directory)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     label = "demo" if directory == DEMO else str(directory)
-    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group, mtp)
+    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group, mtp, tokens)
 
 
 def open_synthetic(
@@ -214,12 +226,13 @@ def open_synthetic(
     progress=None,
     split: bool = True,
     group=None,
+    tokens: int | None = None,
 ) -> Loaded:
     try:
         source = synthetic_source(config, n_layers)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
-    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split, group)
+    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split, group, tokens=tokens)
 
 
 def load(checkpoint: str | Path = "demo", device: str = "cpu", dtype: str = "bfloat16", stream: bool | None = False) -> Loaded:

@@ -127,12 +127,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     broken = None
     try:
         time.sleep(load_delay(rank))
-        loaded = open_from_args(args, device, dtype)
+        loaded = open_from_args(args, device, dtype, tokens=args.max_prompt_tokens + args.max_generate)
         ranks = _ranks(distributed, args.collective_timeout, loaded.device)
         model = Model(loaded, faults_from_env(rank))
         if rank == 0:
             http.ready(model, _facts(loaded, world, limits))
             print(f"serving {loaded.label} on http://{args.host}:{args.port} ({world} rank{'s' * (world > 1)})", file=sys.stderr)
+            if loaded.load is not None:
+                print(loaded.load.line(), file=sys.stderr)
             broken = lead(model, http.state.jobs, stopping, ranks=ranks)
         else:
             broken = follow(model, limits, ranks)
@@ -186,6 +188,7 @@ def _facts(loaded, world: int, limits) -> dict:
         "device": str(loaded.device),
         "ranks": world,
         "stream": loaded.stream,
+        "load": None if loaded.load is None else loaded.load.describe(),  # held or streamed, and the plan
     }
     info = {
         **health,

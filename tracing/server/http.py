@@ -1,6 +1,7 @@
 """The server's HTTP side (Starlette, served by uvicorn on rank 0's second thread).
 
-    GET  /health   200 {"model", "dtype", "device", "ranks", "queue", "running"} once the model is loaded; 503 before
+    GET  /health   200 {"model", "dtype", "device", "ranks", "stream", "load", "queue", "running"} once the model is
+                   loaded ("load": held or streamed, what a request reads from disk, rank 0's memory plan); 503 before
     GET  /info     the model's config and vocabulary facts, what a client needs to build requests
     POST /encode   a request's token ids, checked as /trace checks them
     POST /trace    a request; the answer streams its place, its progress and heartbeats, then the trace file (tracing.server.wire)
