@@ -108,6 +108,7 @@ def add_norm(
 
 
 def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """A hook's replacement of ``reference``, refused in one line unless it has its shape."""
     if value.shape != reference.shape:
         raise ValueError(f"a hook replaced a {tuple(reference.shape)} value with shape {tuple(value.shape)}")
     return value.to(dtype=reference.dtype, device=reference.device)
