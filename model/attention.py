@@ -1,5 +1,4 @@
-"""Multi-head Latent Attention (MLA) with DeepSeek Sparse Attention, or over every causal key in a
-model without the indexer (DeepSeek-V3's architecture, computed as V3's reference does).
+"""Multi-head Latent Attention (MLA) with DeepSeek Sparse Attention.
 
 Shapes: B batch, T query positions, S key positions (start_pos + T), H heads, C kv_lora_rank,
 Dn qk_nope_head_dim, R qk_rope_head_dim, Dv v_head_dim.
@@ -26,6 +25,9 @@ class MLA(nn.Module):
     latent c_kv (wkv_a, kv_norm, wkv_b) plus a shared RoPE key; each query attends only to the
     keys the indexer selected."""
 
+    norm_class = RMSNorm  # a family's own (model/v3.py: DeepSeek-V3's, with no indexer)
+    indexer_class: type[Indexer] | None = Indexer
+
     def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         linear = fp8.linear_dtype(args.dtype, weight_dtype)
@@ -42,16 +44,13 @@ class MLA(nn.Module):
         self.softmax_scale = args.softmax_scale  # (Dn + R)^-0.5, times YaRN's mscale^2
 
         self.wq_a = Linear(self.dim, self.q_lora_rank, linear, fmt)
-        self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
+        self.q_norm = self.norm_class(self.q_lora_rank, args.norm_eps)
         self.wq_b = Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, linear, fmt)
         self.wkv_a = Linear(self.dim, self.kv_lora_rank + self.qk_rope_head_dim, linear, fmt)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.kv_norm = self.norm_class(self.kv_lora_rank, args.norm_eps)
         self.wkv_b = Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), linear, fmt)
         self.wo = Linear(self.n_heads * self.v_head_dim, self.dim, linear, fmt)
-        # V3 (no indexer): every pass in the absorbed form, softmax in float32, no FP8 latent, V3's norms
-        self.v3 = not args.has_indexer
-        self.indexer = Indexer(args, weight_dtype) if args.has_indexer else None
-        self.q_norm.v3 = self.kv_norm.v3 = self.v3
+        self.indexer = None if self.indexer_class is None else self.indexer_class(args, weight_dtype)
         self.scores = HookPoint("B T H S")  # scaled logits q.k before any mask (dense attention's input)
         self.probs = HookPoint("B T H S")  # attention probabilities after the sparse and causal masks
         self.head_out = HookPoint("B T H Dv")  # each head's output p v, before wo mixes the heads
@@ -66,8 +65,6 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.size()
         end_pos = start_pos + seqlen
-        if self.v3:
-            return self._forward_v3(x, start_pos, freqs_cis, mask, cache)
         xr = self.wq_a.rounded(x)  # FP8 projections round their input: once for wq_a, wkv_a and the indexer's wk
         qr = self.wq_b.rounded(self.q_norm(self.wq_a(xr)))  # (B, T, q_lora_rank), for wq_b and the indexer's
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.qk_head_dim)  # (B, T, H, Dn + R)
@@ -97,31 +94,6 @@ class MLA(nn.Module):
             x = self._mqa(q_nope, q_pe, kv, k_pe, index_mask)  # (B, T, H, Dv)
         return self.wo(self.head_out(x).flatten(2))
 
-    def _forward_v3(
-        self,
-        x: torch.Tensor,
-        start_pos: int,
-        freqs_cis: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: LayerCache | None,
-    ) -> torch.Tensor:
-        """DeepSeek-V3's MLA (its reference's default ``attn_impl="absorb"``): prefill and decode alike
-        attend over the cached latent, wkv_b absorbed, with only the causal mask; the latent is cached
-        in the activation dtype as it is (no FP8 simulation); the norms are V3's (RMSNorm.v3); the
-        softmax is formed in float32 and rounded to the activation dtype."""
-        bsz, seqlen, _ = x.size()
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(bsz, seqlen, self.n_heads, self.qk_head_dim)  # (B, T, H, Dn + R)
-        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rotary_emb(q_pe, freqs_cis)
-        kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, T, C), (B, T, R)
-        kv = self.kv_norm(kv)
-        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
-        if cache is not None:
-            kv = cache.kv.write(start_pos, kv)  # (B, S, C)
-            k_pe = cache.pe.write(start_pos, k_pe)  # (B, S, R)
-        causal = None if mask is None else mask.to(x.dtype)  # (T, S): 0 or -inf, added in the scores' dtype
-        return self.wo(self.head_out(self._mqa(q_nope, q_pe, kv, k_pe, causal)).flatten(2))
-
     def _mqa(self, q_nope, q_pe, kv, k_pe, index_mask) -> torch.Tensor:
         """One position's attention over the cached latents: wkv_b's key part absorbed into the query,
         its value part into the output. For one sequence, the products einsum forms (batched over
@@ -138,13 +110,14 @@ class MLA(nn.Module):
             scores = (einsum("bshc,btc->bsht", q_nope, kv) + einsum("bshr,btr->bsht", q_pe, k_pe)) * self.softmax_scale
         scores = self.scores(scores)
         if index_mask is not None:
-            scores = scores + (index_mask.unsqueeze(1) if index_mask.dim() == 2 else index_mask)
-        if self.v3:  # V3's reference: softmax(dim=-1, dtype=torch.float32).type_as(x)
-            scores = self.probs(scores.softmax(dim=-1, dtype=torch.float32).type_as(q_pe))  # (B, T, H, S)
-        else:
-            scores = self.probs(scores.softmax(dim=-1))  # (B, T, H, S)
+            scores = scores + index_mask
+        scores = self.probs(self.softmax(scores, q_pe.dtype))  # (B, T, H, S)
         if bsz == 1 and scores.size(1) == 1:
             x = matmul(scores.view(1, heads, -1), kv).view(heads, 1, -1)  # (H, T, C)
             return matmul(x, w_v.transpose(1, 2)).view(1, 1, heads, -1)  # (B, T, H, Dv)
         x = einsum("bsht,btc->bshc", scores, kv)  # (B, T, H, C)
         return einsum("bshc,hdc->bshd", x, w_v)  # (B, T, H, Dv)
+
+    def softmax(self, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The decode's attention probabilities, in the scores' dtype (``dtype``: the activations')."""
+        return scores.softmax(dim=-1)

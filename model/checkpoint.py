@@ -32,8 +32,8 @@ from torch import nn
 
 from .config import ConfigError, ModelArgs
 from .files import CONFIG_BYTES, INDEX_BYTES, FileError, confined, read_json
-from .names import MTP_SHARED, STORED_BF16, STORED_BF16_V3, from_hf, layer_of, to_hf
-from .transformer import Transformer
+from .names import FAMILIES, MTP_SHARED, from_hf, layer_of, to_hf
+from .transformer import Transformer, transformer_class
 
 if TYPE_CHECKING:
     from .parallel import Part
@@ -384,11 +384,11 @@ class TensorReader:
 def expected_specs(args: ModelArgs, mtp: bool = False) -> dict[str, TensorSpec]:
     """Every checkpoint tensor the model needs (the MTP layer only with ``mtp``, and then with its
     copies of the embedding and head): name -> shape and the dtype the checkpoint stores it in (the
-    module's, but bfloat16 for names.STORED_BF16)."""
+    module's, but bfloat16 for its family's names.FAMILIES stored_bf16)."""
     with torch.device("meta"):
-        model = Transformer(args, mtp=mtp)
+        model = transformer_class(args)(args, mtp=mtp)
     specs = {
-        to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype, args.has_indexer))
+        to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype, args.model_type))
         for name, p in model.named_parameters()
     }
     for name in mtp_copies(model):
@@ -402,10 +402,10 @@ def mtp_copies(model: nn.Module) -> list[str]:
     return [f"mtp.{j}.{ours}" for j in range(len(getattr(model, "mtp", ()))) for ours, _ in MTP_SHARED]
 
 
-def stored_dtype(name: str, dtype: torch.dtype, indexer: bool = True) -> torch.dtype:
-    """The checkpoint dtype of the parameter ``name`` (module path) held in ``dtype``, in the V3.2
-    layout or, without the ``indexer``, V3's."""
-    wider = STORED_BF16 if indexer else STORED_BF16_V3
+def stored_dtype(name: str, dtype: torch.dtype, model_type: str = "deepseek_v32") -> torch.dtype:
+    """The checkpoint dtype of the parameter ``name`` (module path) held in ``dtype``, in the layout
+    of ``model_type``'s family (names.FAMILIES)."""
+    wider = FAMILIES[model_type].stored_bf16
     return torch.bfloat16 if name.endswith(wider) and dtype == torch.float32 else dtype
 
 
@@ -470,9 +470,10 @@ def materialize(
 def build_model(
     args: ModelArgs, dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype = torch.bfloat16, mtp: bool = False
 ) -> Transformer:
-    """The model on the meta device: the structure, no memory (the MTP module only with ``mtp``)."""
+    """The model on the meta device: the structure, no memory (the MTP module only with ``mtp``), of
+    the family the config names (model.transformer.transformer_class)."""
     with torch.device("meta"):
-        return Transformer(args, dtype=dtype, weight_dtype=weight_dtype, mtp=mtp)
+        return transformer_class(args)(args, dtype=dtype, weight_dtype=weight_dtype, mtp=mtp)
 
 
 def has_mtp(source: WeightSource) -> bool:

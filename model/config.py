@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import FileError, read_json
+from .names import FAMILIES
 
 
 class ConfigError(ValueError):
@@ -162,6 +163,11 @@ class ModelArgs:
         return self.indexer
 
     @property
+    def model_type(self) -> str:
+        """The Hugging Face model_type, which names the model's family (model.names.FAMILIES)."""
+        return "deepseek_v32" if self.indexer else "deepseek_v3"
+
+    @property
     def has_gate_bias(self) -> bool:
         return bool(self.gate_bias) if self.gate_bias is not None else self.score_func == "sigmoid"
 
@@ -203,8 +209,8 @@ class ModelArgs:
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a JSON object, not {type(data).__name__}")
         model_type = data.get("model_type")
-        if model_type not in ("deepseek_v32", "deepseek_v3"):
-            raise ConfigError(f"model_type is {model_type!r}, expected 'deepseek_v32' or 'deepseek_v3'")
+        if model_type not in FAMILIES:
+            raise ConfigError(f"model_type is {model_type!r}, expected {' or '.join(map(repr, FAMILIES))}")
         indexer = model_type == "deepseek_v32" or any(k in data for k in INDEX_KEYS)
 
         def need(key: str) -> Any:
@@ -309,7 +315,7 @@ class ModelArgs:
         ``deepseek_v3`` without the indexer (and without its index_* keys)."""
         out: dict[str, Any] = {
             "architectures": ["DeepseekV32ForCausalLM" if self.indexer else "DeepseekV3ForCausalLM"],
-            "model_type": "deepseek_v32" if self.indexer else "deepseek_v3",
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "intermediate_size": self.inter_dim,

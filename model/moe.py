@@ -132,11 +132,15 @@ class Gate(nn.Module):
         self.topk_weights = HookPoint("N k")  # their gating weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = kernels.linear(x.float(), self.weight)  # (N, E): the bfloat16 weight used in float32
-        scores = scores.softmax(dim=-1) if self.score_func == "softmax" else scores.sigmoid()
+        scores = self.affinities(x)  # (N, E)
         rule = RouterRule(self.n_groups, self.topk_groups, self.topk, self.score_func, self.route_scale)
-        chosen = select_experts(self.scores(scores), self.bias, rule, at=self._hook_point)
+        chosen = select_experts(self._hook_point("scores", scores), self.bias, rule, at=self._hook_point)
         return chosen.topk_weights, chosen.topk_indices
+
+    def affinities(self, x: torch.Tensor) -> torch.Tensor:
+        """s = sigmoid (or softmax) of x W^T: the bfloat16 weight used in float32, float32 scores."""
+        scores = kernels.linear(x.float(), self.weight)  # (N, E)
+        return scores.softmax(dim=-1) if self.score_func == "softmax" else scores.sigmoid()
 
     def _hook_point(self, name: str, value: torch.Tensor) -> torch.Tensor:
         return getattr(self, name)(value)
@@ -145,18 +149,22 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """y = shared_experts(x) + sum over the chosen experts e of weight_e * expert_e(x)."""
 
+    gate_class = Gate  # a family's own (model/v3.py: DeepSeek-V3's arithmetic)
+    expert_class = Expert
+    mlp_class = MLP
+
     def __init__(self, args: ModelArgs, weight_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         linear = fp8.linear_dtype(args.dtype, weight_dtype)
         self.dim = args.dim
         self.n_routed_experts = args.n_routed_experts
         self.n_activated_experts = args.n_activated_experts
-        self.gate = Gate(args, weight_dtype)
+        self.gate = self.gate_class(args, weight_dtype)
         # an entry may be None where this process does not hold the expert (expert parallelism)
         self.experts = nn.ModuleList(
-            [Expert(args.dim, args.moe_inter_dim, linear, args.scale_fmt) for _ in range(args.n_routed_experts)]
+            [self.expert_class(args.dim, args.moe_inter_dim, linear, args.scale_fmt) for _ in range(args.n_routed_experts)]
         )
-        self.shared_experts = MLP(args.dim, args.n_shared_experts * args.moe_inter_dim, linear, args.scale_fmt)
+        self.shared_experts = self.mlp_class(args.dim, args.n_shared_experts * args.moe_inter_dim, linear, args.scale_fmt)
         self.fp8 = linear == torch.float8_e4m3fn
         self.scale_fmt = args.scale_fmt
         self.expert_out = HookPoint("N k D")  # each token's k weighted expert outputs, experts ascending, float32
@@ -191,16 +199,18 @@ class MoE(nn.Module):
         # regroup by token, each token's experts in ascending order (the order they are added in)
         by_token = torch.argsort(tokens * self.n_routed_experts + flat[order], stable=True)
         scale = weights.flatten()[order[by_token]].view(n, k, 1)
-        slots = kernels.gather(out, by_token).view(n, k, self.dim).float() * scale  # (N, k, D)
-        return self.add_slots(self.expert_out(self.gather_slots(slots)))  # (N, D)
+        slots = self.weigh(kernels.gather(out, by_token).view(n, k, self.dim), scale)  # (N, k, D) float32
+        return self.add_slots(self.expert_out(self.gather_slots(slots)), x.dtype)  # (N, D) float32
 
     def run_experts(self, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, counts: list[int], dtype: torch.dtype):
         """Each expert's output for its rows, the rows sorted by expert (``tokens`` the token of
         each, ``counts`` how many each expert has): (N * k, D) in ``dtype``. An expert held by
         another rank (None here) leaves its rows zero."""
         out = kernels.experts(self.experts, x, tokens, counts, dtype)  # the CPU backend's route, where it has one
-        if out is not None:
-            return out
+        return self.each_expert(x, tokens, counts, dtype) if out is None else out
+
+    def each_expert(self, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, counts: list[int], dtype: torch.dtype):
+        """:meth:`run_experts` as the reference's loop: each expert's module on its rows."""
         rows = x.rows(tokens) if isinstance(x, fp8.Rounded) else kernels.gather(x, tokens)  # (N * k, D)
         out = torch.zeros(len(tokens), self.dim, dtype=dtype, device=tokens.device)
         for j, end in enumerate(itertools.accumulate(counts)):
@@ -209,14 +219,19 @@ class MoE(nn.Module):
                 out[span] = self.experts[j](rows[span])
         return out
 
+    def weigh(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert output (N, k, D) times its gating weight (N, k, 1), in float32."""
+        return outputs.float() * weights
+
     def gather_slots(self, contrib: torch.Tensor) -> torch.Tensor:
         """Every token's k expert outputs where experts are split over ranks (see model.parallel);
         one process holds them all already."""
         return contrib
 
-    def add_slots(self, contrib: torch.Tensor) -> torch.Tensor:
-        """Each token's k weighted expert outputs (N, k, D), best-numbered expert first, added in
-        that order into float32 zeros, as the reference's loop over experts adds them."""
+    def add_slots(self, contrib: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each token's k weighted expert outputs (N, k, D), lowest-numbered expert first, added in
+        that order into float32 zeros, as the reference's loop over experts adds them (``dtype``,
+        the activations', is the one a family that adds in it uses)."""
         y = torch.zeros_like(contrib[:, 0])
         for j in range(contrib.shape[1]):
             y += contrib[:, j]

@@ -11,8 +11,8 @@ token that follows t:
     draft_t = softmax(head(norm(s_t)))                          the distribution of token_{t+2}
 
 ``eh_proj`` is a bf16 [dim, 2 dim] linear (the checkpoint has no scale for it), ``enorm``,
-``hnorm`` and ``norm`` (``shared_head.norm``) are RMSNorms, the block is a :class:`Block` of the
-main model's kind (MLA with its own indexer, a router and experts), and the embedding and head are
+``hnorm`` and ``norm`` (``shared_head.norm``) are RMSNorms, the block is a block of the
+main model's family (MLA with its own indexer, a router and experts), and the embedding and head are
 the main model's (the checkpoint's ``embed_tokens`` and ``shared_head.head`` copies are the same
 tensors; the loader checks them). The module holds no state of a run: its keys live in the caller's
 :class:`~model.cache.Cache` (``cache.mtp``), with the last hidden state a decode step continues from.
@@ -42,7 +42,7 @@ class MTP(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         weight_dtype: torch.dtype = torch.bfloat16,
     ):
-        from .transformer import Block  # the transformer builds this module
+        from .transformer import transformer_class  # the transformer builds this module
 
         super().__init__()
         self.args = args
@@ -51,7 +51,7 @@ class MTP(nn.Module):
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
         self.eh_proj = Linear(2 * args.dim, args.dim, weight_dtype)  # bf16 in the checkpoint, no scale
-        self.block = Block(layer_id, args, dtype, weight_dtype)
+        self.block = transformer_class(args).block_class(layer_id, args, dtype, weight_dtype)  # the family's
         self.norm = RMSNorm(args.dim, args.norm_eps)  # shared_head.norm
         self.logits = HookPoint("B T V")  # the draft's logits at each position it ran, float32
 

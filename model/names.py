@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 # Top-level pieces (the first segment of a module path), then the pieces inside a block; a piece
 # is a whole dotted segment. Inside the indexer both layouts use the same names.
@@ -37,8 +38,22 @@ _GATE_BIAS = ("gate.bias", "gate.e_score_correction_bias")
 # module keeps float32 (the products are formed in float32), the file has bfloat16. Every other
 # parameter is stored as the module holds it.
 STORED_BF16 = ("head.weight", "indexer.weights_proj.weight")
-# DeepSeek-V3's checkpoints (no indexer) store the norm gains in bfloat16 too (V3.2's in float32)
-STORED_BF16_V3 = STORED_BF16 + ("norm.weight",)
+
+
+class Family(NamedTuple):
+    """A model family: the module of model/ whose ``Transformer`` builds it, and the parameters (by
+    the ending of their module path) its checkpoints store in bfloat16 where the module holds float32."""
+
+    module: str
+    stored_bf16: tuple[str, ...]
+
+
+# A config's model_type -> its family. DeepSeek-V3 (R1, V3.1: no indexer) stores its norm gains in
+# bfloat16 too, where V3.2's are float32.
+FAMILIES: dict[str, Family] = {
+    "deepseek_v32": Family("transformer", STORED_BF16),
+    "deepseek_v3": Family("v3", STORED_BF16 + ("norm.weight",)),
+}
 _TOP_TO_HF = dict(TOP)
 _TOP_FROM_HF = {hf: ours for ours, hf in TOP}
 _TO_HF = dict(INNER)

@@ -23,12 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
-    v3 = False  # DeepSeek-V3's norm instead (a model without the indexer sets it)
-
     def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or x.dtype
-        if self.v3:  # V3's reference: F.rms_norm in the activation dtype, the gain held in it too
-            return F.rms_norm(x.to(dtype), (self.dim,), self.weight.to(dtype), self.eps)
         x = x.float()
         var = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(var + self.eps)

@@ -53,6 +53,7 @@ writes the trace.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -67,7 +68,6 @@ from . import fp8
 from .checkpoint import TensorReader, WeightSource, build_model, check_mtp_copies, validate, wants_mtp
 from .linear import Linear
 from .moe import MLP, MoE
-from .moe_v3 import MoEV3
 from .names import to_hf
 from .transformer import Embedding, Transformer
 
@@ -154,8 +154,13 @@ class ExpertParallelMoE(MoE):
         return contrib
 
 
-class ExpertParallelMoEV3(ExpertParallelMoE, MoEV3):
-    """Routed experts split over ranks, with DeepSeek-V3's arithmetic (a model without the indexer)."""
+@functools.cache
+def expert_parallel(family_moe: type[MoE]) -> type[ExpertParallelMoE]:
+    """A family's MoE (model.moe's, model.v3's...) with its routed experts split over ranks: its own
+    arithmetic, ExpertParallelMoE's gather."""
+    if family_moe is MoE or issubclass(family_moe, ExpertParallelMoE):
+        return ExpertParallelMoE if family_moe is MoE else family_moe
+    return type(ExpertParallelMoE.__name__, (ExpertParallelMoE, family_moe), {"__doc__": ExpertParallelMoE.__doc__})
 
 
 def rank_world(group: Any) -> tuple[int, int]:
@@ -167,10 +172,13 @@ def rank_world(group: Any) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
-def _swap(module: nn.Module, cls: type, **attrs: Any) -> None:
-    module.__class__ = cls
-    for key, value in attrs.items():
-        setattr(module, key, value)
+def _swap(owner: nn.Module, name: str, cls: type, **attrs: Any) -> None:
+    """Put in ``owner.name``'s place a ``cls`` (a subclass of its class that adds the collectives)
+    holding the same parameters, submodules and settings, plus ``attrs``."""
+    old = getattr(owner, name)
+    new = cls.__new__(cls)
+    new.__dict__.update(old.__dict__, **attrs)
+    setattr(owner, name, new)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -284,21 +292,21 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
     for i, prefix, block in _blocks(model):
         if i in plan.split_attention:
             block.attn.n_heads //= world  # local heads, the reference's n_local_heads
-            _swap(block.attn.wo, RowParallelLinear, group=group)
+            _swap(block.attn, "wo", RowParallelLinear, group=group)
         if isinstance(block.ffn, MoE):
             moe = block.ffn
             for j in range(len(moe.experts)):
                 if j not in plan.experts:
                     moe.experts[j] = None
-            _swap(moe, ExpertParallelMoEV3 if isinstance(moe, MoEV3) else ExpertParallelMoE, group=group)
+            _swap(block, "ffn", expert_parallel(type(moe)), group=group)
             if f"{prefix}.ffn.shared_experts.w2.weight" in plan.parts:
-                _swap(moe.shared_experts.w2, RowParallelLinear, group=group)
+                _swap(moe.shared_experts, "w2", RowParallelLinear, group=group)
         elif f"{prefix}.ffn.w2.weight" in plan.parts:
-            _swap(block.ffn.w2, RowParallelLinear, group=group)
+            _swap(block.ffn, "w2", RowParallelLinear, group=group)
     if "embed.weight" in plan.parts:
         part = plan.parts["embed.weight"]
-        _swap(model.embed, VocabParallelEmbedding, group=group, vocab_start=part.start, vocab_end=part.stop)
-        _swap(model.head, ColumnParallelHead, group=group)
+        _swap(model, "embed", VocabParallelEmbedding, group=group, vocab_start=part.start, vocab_end=part.stop)
+        _swap(model, "head", ColumnParallelHead, group=group)
     return plan
 
 

@@ -1,12 +1,14 @@
-"""DeepSeek-V3.2-Exp: embedding, blocks of MLA + (dense MLP | MoE), final norm and head; without
-the indexer, DeepSeek-V3 (R1, V3.1) as V3's own reference computes it.
+"""DeepSeek-V3.2-Exp: embedding, blocks of MLA + (dense MLP | MoE), final norm and head.
+
+A checkpoint's config chooses its family (:func:`transformer_class`, the table ``names.FAMILIES``):
+this module's Transformer is V3.2-Exp's, model/v3.py's DeepSeek-V3's (R1, V3.1).
 
 Shapes: B batch, T positions, D dim, V vocabulary.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +21,8 @@ from .config import ModelArgs
 from .hooks import HookPoint
 from .linear import Linear
 from .moe import MLP, MoE
-from .moe_v3 import to_v3
 from .mtp import MTP
+from .names import FAMILIES
 from .norm import RMSNorm
 from .rope import precompute_freqs_cis
 
@@ -43,6 +45,11 @@ class Block(nn.Module):
     the next norm. Each add is formed in float32, named by a hook point (the residual stream),
     normalised, and carried on rounded to the activation dtype."""
 
+    attention_class = MLA  # a family's own (model/v3.py: DeepSeek-V3's)
+    mlp_class = MLP
+    moe_class = MoE
+    norm_class = RMSNorm
+
     def __init__(
         self,
         layer_id: int,
@@ -54,17 +61,13 @@ class Block(nn.Module):
         linear = fp8.linear_dtype(args.dtype, weight_dtype)
         self.layer_id = layer_id
         self.dtype = dtype  # activations between the float32 sums
-        self.v3 = not args.has_indexer  # V3's block: x + attn(norm(x)) in the activation dtype
-        self.attn = MLA(args, weight_dtype)
+        self.attn = self.attention_class(args, weight_dtype)
         if layer_id < args.n_dense_layers:
-            self.ffn = MLP(args.dim, args.inter_dim, linear, args.scale_fmt)
+            self.ffn = self.mlp_class(args.dim, args.inter_dim, linear, args.scale_fmt)
         else:
-            self.ffn = MoE(args, weight_dtype)
-        if self.v3:
-            to_v3(self.ffn)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn_norm.v3 = self.ffn_norm.v3 = self.v3
+            self.ffn = self.moe_class(args, weight_dtype)
+        self.attn_norm = self.norm_class(args.dim, args.norm_eps)
+        self.ffn_norm = self.norm_class(args.dim, args.norm_eps)
         self.resid_pre = HookPoint("B T D")  # x_n, the stream entering the block (float32 sum)
         self.attn_out = HookPoint("B T D")  # the attention update
         self.resid_mid = HookPoint("B T D")  # x'_n = x_n + attention update (float32 sum)
@@ -82,8 +85,6 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the previous block's FFN update, or the stream itself when residual is None.
         Returns this block's FFN update and the stream it updates, as it received them."""
-        if self.v3:
-            return self._forward_v3(x, residual, start_pos, freqs_cis, mask, cache)
         x, residual = add_norm(self.attn_norm, self.resid_pre, x, residual, self.dtype)
         x = self.attn_out(self.attn(x, start_pos, freqs_cis, mask, cache))
         x, residual = add_norm(self.ffn_norm, self.resid_mid, x, residual, self.dtype)
@@ -91,30 +92,8 @@ class Block(nn.Module):
         if self.resid_post.observed:  # this sum is otherwise first formed inside the next norm
             stream = x.float() + residual.float()
             if (patched := self.resid_post(stream)) is not stream:
-                return _like(patched, stream), None
+                return like(patched, stream), None
         return x, residual
-
-    def _forward_v3(self, x, residual, start_pos, freqs_cis, mask, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """V3's reference block, ``x = x + attn(attn_norm(x)); x = x + ffn(ffn_norm(x))``: the adds
-        in the activation dtype, the norms V3's (RMSNorm.v3). The stream points see it widened to float32."""
-        stream = _seen(self.resid_pre, x if residual is None else x + residual)  # (B, T, D)
-        stream = _seen(
-            self.resid_mid, stream + self.attn_out(self.attn(self.attn_norm(stream), start_pos, freqs_cis, mask, cache))
-        )
-        x = self.ffn_out(self.ffn(self.ffn_norm(stream)))
-        if self.resid_post.observed:
-            after = x + stream
-            if (patched := _seen(self.resid_post, after)) is not after:
-                return patched, None
-        return x, stream
-
-
-def _seen(point: HookPoint, stream: torch.Tensor) -> torch.Tensor:
-    """A stream in the activation dtype through its hook point (float32, exact); a replacement is rounded back."""
-    wide = stream.float()
-    if (patched := point(wide)) is not wide:
-        return _like(patched, wide).to(stream.dtype)
-    return stream
 
 
 def add_norm(
@@ -124,11 +103,12 @@ def add_norm(
     returns (normalised, stream), both in ``dtype``. ``point`` sees, and may replace, the stream."""
     stream = x.float() if residual is None else x.float() + residual.float()  # (B, T, D) float32
     if (patched := point(stream)) is not stream:
-        stream = _like(patched, stream)
+        stream = like(patched, stream)
     return norm(stream, dtype), stream.to(dtype)
 
 
-def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """A hook's replacement of ``reference``, refused in one line unless it has its shape."""
     if value.shape != reference.shape:
         raise ValueError(f"a hook replaced a {tuple(reference.shape)} value with shape {tuple(value.shape)}")
     return value.to(dtype=reference.dtype, device=reference.device)
@@ -145,7 +125,12 @@ class Transformer(nn.Module):
     dtype of the weights the reference holds in bfloat16: the embedding, the router and the linears
     that are not FP8. Norms, ``weights_proj`` and the head are float32 whatever it is, as the
     reference's modules (README, Numerics: the dtype audit).
+
+    The model of a config is ``transformer_class(args)(args)``: this class refuses another family's.
     """
+
+    block_class = Block  # a family's own (model/v3.py: DeepSeek-V3's)
+    norm_class = RMSNorm
 
     def __init__(
         self,
@@ -155,17 +140,17 @@ class Transformer(nn.Module):
         mtp: bool = False,
     ):
         super().__init__()
+        if (family := transformer_class(args)) is not type(self):
+            raise TypeError(f"a {args.model_type} config builds {family.__module__}.{family.__qualname__}")
         # ``mtp``: build the checkpoint's multi-token-prediction module (model.mtp, when the config has
         # one); without it ``args`` says the model has none (n_mtp_layers 0), and mtp_skipped that the
         # checkpoint did
         self.mtp_skipped = bool(args.n_mtp_layers) and not mtp
         self.args = args = args.replace(n_mtp_layers=0) if self.mtp_skipped else args
         self.dtype = dtype
-        self.v3 = not args.has_indexer
         self.embed = Embedding(args.vocab_size, args.dim, weight_dtype)
-        self.layers = nn.ModuleList([Block(i, args, dtype, weight_dtype) for i in range(args.n_layers)])
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.norm.v3 = self.v3
+        self.layers = nn.ModuleList([self.block_class(i, args, dtype, weight_dtype) for i in range(args.n_layers)])
+        self.norm = self.norm_class(args.dim, args.norm_eps)
         # float32 as the reference holds it (the checkpoint stores bf16): logits are formed in float32
         self.head = Linear(args.dim, args.vocab_size, torch.float32)
         self.logits = nn.Module()
@@ -187,39 +172,37 @@ class Transformer(nn.Module):
         mtp: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``mtp``: also run the MTP module and return (logits, its draft logits) (:meth:`draft`);
-        it runs, without being returned, whenever a hook observes it (a trace of its sites).
+        it runs, without being returned, whenever a hook observes it (a trace of its sites)."""
+        seqlen = tokens.size(1)
+        end_pos = start_pos + seqlen
+        if cache is None and start_pos:
+            raise ValueError(f"start_pos {start_pos}: a decode step continues the Cache (new_cache()) of the earlier positions")
+        device = tokens.device
+        freqs_cis = precompute_freqs_cis(self.args, end_pos, device, start=start_pos)
+        # the reference masks only when several positions run at once; one position sees all keys
+        mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
+        h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, start_pos, freqs_cis, mask, None if cache is None else cache.layers[i])
+        h = self.final_norm(h, residual)  # (B, T, D) in the activation dtype
+        if all_logits:
+            logits = self.logits.all(self.head(self.head_input(h)).float())  # (B, T, V)
+            self.logits.last(logits[:, -1])
+        else:
+            logits = self.logits.last(self.head(self.head_input(h[:, -1])).float())  # (B, V)
+        if self.mtp and (mtp or self.mtp[0].logits.observed):
+            drafts = self.draft(tokens, h, logits[:, -1] if all_logits else logits, start_pos, cache)
+            if mtp:
+                return logits, drafts
+        return logits
 
-        Without the indexer every product is V3's ``gemm_impl="bf16"`` one (model.fp8.unrounded_activations)."""
-        with fp8.unrounded_activations() if self.v3 else contextlib.nullcontext():
-            seqlen = tokens.size(1)
-            end_pos = start_pos + seqlen
-            if cache is None and start_pos:
-                raise ValueError(
-                    f"start_pos {start_pos}: a decode step continues the Cache (new_cache()) of the earlier positions"
-                )
-            device = tokens.device
-            freqs_cis = precompute_freqs_cis(self.args, end_pos, device, start=start_pos)
-            # the reference masks only when several positions run at once; one position sees all keys
-            mask = torch.full((seqlen, end_pos), float("-inf"), device=device).triu_(start_pos + 1) if seqlen > 1 else None
-            h, residual = self.embed(tokens).to(self.dtype), None  # (B, T, D)
-            for i, layer in enumerate(self.layers):
-                h, residual = layer(h, residual, start_pos, freqs_cis, mask, None if cache is None else cache.layers[i])
-            if self.v3:  # V3's head is a bfloat16 product: logits rounded to the activation dtype, then widened
-                h = self.norm(h if residual is None else h + residual)
-                wide = h
-            else:
-                h = self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
-                wide = h.float()
-            if all_logits:
-                logits = self.logits.all(self.head(wide).float())  # (B, T, V)
-                self.logits.last(logits[:, -1])
-            else:
-                logits = self.logits.last(self.head(wide[:, -1]).float())  # (B, V)
-            if self.mtp and (mtp or self.mtp[0].logits.observed):
-                drafts = self.draft(tokens, h, logits[:, -1] if all_logits else logits, start_pos, cache)
-                if mtp:
-                    return logits, drafts
-            return logits
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last block's stream (its update plus the stream it updated, in float32), normalised."""
+        return self.norm(h.float() if residual is None else h.float() + residual.float(), self.dtype)
+
+    def head_input(self, normed: torch.Tensor) -> torch.Tensor:
+        """What the head reads of the normalised states: float32 (a float32 product, float32 logits)."""
+        return normed.float()
 
     def draft(
         self, tokens: torch.Tensor, h: torch.Tensor, last: torch.Tensor, start_pos: int, cache: Cache | None
@@ -239,3 +222,8 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.mtp_hidden = h[:, -1:]
         return self.mtp[0](hidden, following, self.embed, self.head, first, None if cache is None else cache.mtp)
+
+
+def transformer_class(args: ModelArgs) -> type[Transformer]:
+    """The Transformer of the family ``args`` belongs to (``names.FAMILIES[args.model_type]``)."""
+    return importlib.import_module(f".{FAMILIES[args.model_type].module}", __package__).Transformer

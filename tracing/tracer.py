@@ -283,10 +283,9 @@ class Tracer:
                     self.values[name] = value.cpu()
 
     def _head_input(self, normed: torch.Tensor) -> torch.Tensor:
-        """What the model's own head reads: float32 states, or in a model of DeepSeek-V3's layout the
-        activation dtype's (its head is a bfloat16 product), so every position's logits are formed as
-        the last one's."""
-        return normed if getattr(self.model, "v3", False) else normed.float()
+        """What the model's own head reads (its family's ``Transformer.head_input``), so every
+        position's logits are formed as the last one's."""
+        return self.model.head_input(normed)
 
     def _next_token(self, head, normed: torch.Tensor, output: torch.Tensor) -> None:
         """next.*: every position's next-token distribution. The last position's logits are the

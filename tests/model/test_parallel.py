@@ -31,7 +31,7 @@ if __name__ == "__main__":
 from model import TINY  # noqa: E402
 from model.checkpoint import SafetensorsSource, build_model, has_mtp, load_model, save_checkpoint  # noqa: E402
 from model.parallel import ParallelError, gather_heads, init_distributed, make_plan, parallelize  # noqa: E402
-from model.synthetic import SyntheticSource  # noqa: E402
+from model.synthetic import SyntheticSource, v3_layout, write_synthetic_checkpoint  # noqa: E402
 from tests.model.test_mtp import mtp_checkpoint  # noqa: E402
 from tracing.analyses.mtp import NOTE_SKIPPED  # noqa: E402
 from tracing.runner import trace_tokens  # noqa: E402
@@ -51,7 +51,8 @@ def default_sites(model) -> list[str]:
     names = []
     for i, block in enumerate(model.layers):
         names += [f"layers.{i}.{s}" for s in ("resid_pre", "resid_mid", "resid_post")]
-        names += [f"layers.{i}.attn.indexer.{s}" for s in ("scores", "topk_indices")]
+        if block.attn.indexer is not None:
+            names += [f"layers.{i}.attn.indexer.{s}" for s in ("scores", "topk_indices")]
         names.append(f"layers.{i}.attn.probs")
         if hasattr(block.ffn, "gate"):
             names += [f"layers.{i}.ffn.gate.{s}" for s in ("scores", "topk_indices", "topk_weights")]
@@ -120,6 +121,7 @@ def worker(out: Path, cases: dict[str, str]) -> None:
         values = record(model, plan, model, tokens)
         held = sorted({int(n.split(".")[4]) for n, _ in model.named_parameters() if n.startswith("layers.") and ".experts." in n})
         meta = {"notes": json.dumps(plan.notes), "experts": json.dumps(held), "split": json.dumps(plan.split_attention)}
+        meta["ffn"] = json.dumps([[f"{c.__module__}.{c.__qualname__}" for c in type(b.ffn).__mro__] for b in model.layers])
         loaded = load_model(source)  # loaded whole, then split (each rank keeps its part)
         lplan = parallelize(loaded)
         split_after = record(loaded, lplan, loaded, tokens)
@@ -188,8 +190,14 @@ def mtp_tp_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cases(tiny_checkpoint, tp_checkpoint, mtp_tp_checkpoint) -> dict[str, Path]:
-    found = {"tiny": tiny_checkpoint, "tp": tp_checkpoint, "mtp": mtp_tp_checkpoint}
+def v3_tp_checkpoint(tmp_path_factory) -> Path:
+    """TP_TINY in DeepSeek-V3's family (model.v3): its own MoE arithmetic with the experts split."""
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("v3") / "ckpt", v3_layout(TP_TINY), seed=3)
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_checkpoint, tp_checkpoint, mtp_tp_checkpoint, v3_tp_checkpoint) -> dict[str, Path]:
+    found = {"tiny": tiny_checkpoint, "tp": tp_checkpoint, "mtp": mtp_tp_checkpoint, "v3": v3_tp_checkpoint}
     if (DEMO / "config.json").exists():
         found["demo"] = DEMO
     return found
@@ -216,7 +224,7 @@ def assert_same_trace(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
             torch.testing.assert_close(other, value, rtol=TOL, atol=TOL, msg=f"{name}: max difference {diff}")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tp", "mtp", "demo"])
+@pytest.mark.parametrize("name", ["tiny", "tp", "mtp", "v3", "demo"])
 def test_two_ranks_give_the_trace_of_one_process(two_ranks, cases, name):
     if name not in cases:
         pytest.skip("assets/demo does not exist yet")
@@ -225,7 +233,7 @@ def test_two_ranks_give_the_trace_of_one_process(two_ranks, cases, name):
 
 
 @pytest.mark.parametrize("how", ["stream", "split"])
-@pytest.mark.parametrize("name", ["tiny", "tp", "mtp"])
+@pytest.mark.parametrize("name", ["tiny", "tp", "mtp", "v3"])
 def test_two_ranks_streaming_or_splitting_a_loaded_model_give_the_trace_of_one_process(two_ranks, cases, name, how):
     got = load_file(str(two_ranks / f"{name}-{how}.safetensors"))
     assert_same_trace(got, one_process(cases[name]))
@@ -273,6 +281,9 @@ def test_ranks_hold_their_part_and_agree(two_ranks):
     with safe_open(str(two_ranks / "tiny.safetensors"), "pt") as f:
         notes = json.loads(f.metadata()["notes"])
     assert any("layers.0.attn replicated" in n for n in notes)
+    with safe_open(str(two_ranks / "v3.safetensors"), "pt") as f:  # a split MoE keeps its family's arithmetic
+        ffn = json.loads(f.metadata()["ffn"])
+    assert ffn[0][0] == "model.v3.MLP" and all({"model.v3.MoE", "model.parallel.ExpertParallelMoE"} <= set(m) for m in ffn[1:])
 
 
 def test_plan_splits_the_671b_model_on_block_boundaries():

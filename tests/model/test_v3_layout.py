@@ -47,6 +47,32 @@ def test_the_layout_is_read_from_the_config():
         ModelArgs.from_hf({**_v3_hf_config(), "model_type": "deepseek_v32"})
 
 
+def test_the_config_chooses_the_family():
+    """A deepseek_v3 config builds model.v3's modules (its MTP block too), V3.2-Exp's the reference's;
+    both have the same hook points but the indexer's, and neither Transformer builds the other's config."""
+    from model import attention, moe, norm, transformer, v3
+    from model.checkpoint import build_model
+    from model.hooks import HookPoint
+
+    overridden = {transformer.Transformer, transformer.Block, attention.MLA, norm.RMSNorm, moe.MLP, moe.Expert, moe.Gate, moe.MoE}
+    built = {args.model_type: build_model(args.replace(n_mtp_layers=1), mtp=True) for args in (TINY, V3)}
+    v3_model, v32_model = built["deepseek_v3"], built["deepseek_v32"]
+    assert type(v3_model) is v3.Transformer and type(v32_model) is transformer.Transformer
+    assert isinstance(v3_model.mtp[0].block, v3.Block) and isinstance(v3_model.layers[-1].ffn.gate, v3.Gate)
+    main = [v3_model, *v3_model.layers.modules(), v3_model.norm, *v3_model.mtp[0].block.modules()]
+    assert not {type(m) for m in main} & overridden  # every module that computes differently is V3's
+    assert not any(type(m).__module__ == "model.v3" for m in v32_model.modules())
+
+    def points(model):
+        return {name for name, m in model.named_modules() if isinstance(m, HookPoint)}
+
+    assert points(v3_model) == {name for name in points(v32_model) if ".indexer." not in name}
+    with pytest.raises(TypeError, match="deepseek_v3 config builds model.v3.Transformer"):
+        transformer.Transformer(V3)
+    with pytest.raises(TypeError, match="deepseek_v32 config builds model.transformer.Transformer"):
+        v3.Transformer(TINY)
+
+
 def test_a_v3_checkpoint_has_no_indexer_and_bf16_norms(tmp_path):
     specs = expected_specs(V3)
     assert not [name for name in specs if "indexer" in name]
