@@ -51,7 +51,7 @@ from .fp8 import FP8
 from .hooks import Hooks
 from .kernels import use_once
 from .moe import MoE
-from .names import STORED_BF16, from_hf, to_hf
+from .names import FAMILIES, from_hf, to_hf
 from .transformer import Transformer
 
 _FORWARD = inspect.signature(Transformer.forward)  # the model's call, to read its ``mtp`` argument
@@ -542,15 +542,16 @@ def stream_forward(
 
 
 def model_bytes(source: WeightSource, device: torch.device | str = "cpu") -> int:
-    """Memory the fully loaded model takes on ``device``: its weights (the head and ``weights_proj``
-    held in float32), plus on the CPU the copies model.kernels keeps of each FP8 weight once used
-    (4 bytes per weight: dequantised and laid out for oneDNN in bfloat16, or in float32)."""
+    """Memory the fully loaded model takes on ``device``: its weights (those its family stores in
+    bfloat16 and holds in float32 at 4 bytes), plus on the CPU the copies model.kernels keeps of
+    each FP8 weight once used (4 bytes per weight: its codes decoded to float32)."""
     specs = source.specs()
     total = 0
     cpu = torch.device(device).type == "cpu"
+    wider = FAMILIES[source.args.model_type].stored_bf16  # stored in bfloat16, held in float32
     for name, spec in specs.items():
         numel = numel_of(spec.shape)
-        total += numel * (4 if from_hf(name).endswith(STORED_BF16) else spec.dtype.itemsize)
+        total += numel * (4 if from_hf(name).endswith(wider) else spec.dtype.itemsize)
         if cpu and spec.dtype == FP8:
             total += numel * 4
     return total

@@ -297,7 +297,7 @@ def _stored_bytes(model, source: WeightSource) -> int:
     the dtype the checkpoint stores (``model`` may hold the first blocks only)."""
     args = source.args
     if isinstance(source, ConfigSource):  # the stored dtypes as a checkpoint of that config has them
-        return sum(p.numel() * stored_dtype(name, p.dtype, args.has_indexer).itemsize for name, p in model.named_parameters())
+        return sum(p.numel() * stored_dtype(name, p.dtype, args.model_type).itemsize for name, p in model.named_parameters())
     specs = source.specs()  # a tensor it lacks is counted at the model's dtype; loading names it
 
     def itemsize(name: str, p: torch.Tensor) -> int:
