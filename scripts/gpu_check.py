@@ -85,7 +85,7 @@ class Check:
             "budget_s": opts.budget_s,
             "elapsed_s": 0.0,
             "device": opts.device,
-            "device_name": torch.cuda.get_device_name(0) if opts.device == "cuda" else platform.processor() or "cpu",
+            "device_name": device_name(opts.device),
             "gpus": torch.cuda.device_count() if opts.device == "cuda" else 0,
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -140,6 +140,15 @@ class Check:
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+
+def device_name(device: str) -> str:
+    if device != "cuda":
+        return platform.processor() or "cpu"
+    try:
+        return torch.cuda.get_device_name(0)
+    except Exception as exc:  # said in the file; the phases fail one by one with their own reasons
+        return f"unavailable: {type(exc).__name__}: {exc}"[:300]
 
 
 def free_port() -> int:
@@ -267,6 +276,8 @@ def disk_phase(check: Check, result: dict) -> None:
             os.fsync(fh.fileno())
     write_s = time.monotonic() - t
     size = sum(f.stat().st_size for f in files)
+    result.update(checkpoint=str(directory), blocks=args.n_layers, dim=args.dim, experts=args.n_routed_experts, bytes=size)
+    result.update(write_s=round(write_s, 2), write_gbps=round(size / write_s / GB, 3))
     del tensors
     for f in files:  # the reads below come from the disk
         fd = os.open(f, os.O_RDONLY)
@@ -290,19 +301,7 @@ def disk_phase(check: Check, result: dict) -> None:
     name = "model.embed_tokens.weight"
     if name in stored and not torch.equal(SafetensorsSource(directory).load(name), source.load(name, made).cpu()):
         problems.append(f"{name} read back differs from what was written")
-    result.update(
-        checkpoint=str(directory),
-        blocks=args.n_layers,
-        dim=args.dim,
-        experts=args.n_routed_experts,
-        bytes=size,
-        tensors=len(stored),
-        write_s=round(write_s, 2),
-        write_gbps=round(size / write_s / GB, 3),
-        read_s=round(read_s, 2),
-        read_gbps=round(read / read_s / GB, 3),
-        problems=problems,
-    )
+    result.update(read_s=round(read_s, 2), read_gbps=round(read / read_s / GB, 3), tensors=len(stored), problems=problems)
     check.found["checkpoint"] = directory
 
 
