@@ -181,39 +181,62 @@ def test_model_bytes_counts_the_weights_as_held(tiny_source):
     assert model_bytes(tiny_source, "cpu") == model_bytes(tiny_source, "cuda") + 4 * sum(s.shape[0] * s.shape[1] for s in fp8)
 
 
-def test_gpu_check_script_runs_on_the_cpu(tmp_path):
+def gpu_check(tmp_path, *flags: str) -> tuple[int, dict, str]:
+    """scripts/gpu_check.py on the CPU, on TINY: (exit status, its JSON file, its table)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY.to_hf()))
-    out = subprocess.run(
-        [sys.executable, str(GPU_CHECK), "--device", "cpu", "--config", str(config), "--tokens", "12", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    summary = json.loads(out.stdout)
-    assert out.returncode == 0 and summary["ok"], summary
-    assert summary["n_layers"] == 3 and summary["contract_sites"] == 3 * 5 + 2 * 3 + 1
-    assert summary["server"]["same_bytes_as_the_tracer"] and summary["server"]["generate_tokens"] == 2  # the server's
-    assert [b["name"] for b in summary["per_block"]] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
-    assert summary["generation_seconds"] > 0 and summary["compute_seconds"] > 0
+    out = tmp_path / "gpu_check.json"
+    argv = [sys.executable, str(GPU_CHECK), "--device", "cpu", "--config", str(config), "--out", str(out)]
+    argv += ["--workdir", str(tmp_path / "work"), *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    return done.returncode, json.loads(out.read_text()), done.stdout
+
+
+@pytest.mark.slow  # about 50 s on two shared cores: five phases, each a few processes of `python -m tracing`
+def test_gpu_check_runs_every_phase_on_the_cpu(tmp_path):
+    code, summary, table = gpu_check(tmp_path, "--tokens", "12", "--generate", "2", "--compare-tokens", "6")
+    phases = {p["name"]: p for p in summary["phases"]}
+    assert code == 0 and summary["ok"], json.dumps(summary, indent=1)[-4000:]
+    assert list(phases) == ["disk", "run", "server", "plan", "cpu_compare"]
+    assert all(name in table for name in phases) and "ok in" in table
+    disk = phases["disk"]
+    assert disk["blocks"] == 3 and disk["bytes"] > 0 and disk["write_gbps"] > 0 and disk["read_gbps"] > 0
+    same = phases["run"]["resident_vs_stream"]  # indexer of 3 blocks, experts of 2, the MTP module's: 6 positions each
+    assert same["sites"] >= 5 and same["rows"] == 6 * same["sites"] and same["rows_differing"] == 0
+    server = phases["server"]
+    assert 400 <= server["bad"]["status"] < 500 and "temperature" in server["bad"]["error"]
+    assert server["rank_fault"]["status"] == 500 and "injected fault" in server["rank_fault"]["error"]
+    assert server["good_after_fault"]["generated"] == 2 and server["long"]["generated"] == 2  # serving on after it
+    assert server["stopped_cleanly"] and "held in memory" in server["load"]
+    plan = phases["plan"]
+    assert plan["plan_load"] == "resident" and 0.8 <= plan["predicted_over_measured"] <= 1.2
+    assert phases["cpu_compare"]["cpu_resident_vs_cpu"]["rows_differing"] == 0  # the CPU against itself
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())  # the checkpoint removed
+
+
+def test_gpu_check_skips_what_its_budget_cannot_hold_and_says_so(tmp_path):
+    code, summary, table = gpu_check(tmp_path, "--budget-s", "20")
+    assert code == 1 and not summary["ok"]
+    assert [(p["name"], p["status"]) for p in summary["phases"]] == [
+        (name, "skipped") for name in ("disk", "run", "server", "plan", "cpu_compare")
+    ]
+    assert "no time left" in summary["phases"][0]["reason"] and "needs checkpoint" in summary["phases"][1]["reason"]
+    assert "FAILED" in table and "skipped" in table
 
 
 @pytest.mark.slow
-def test_real_width_first_four_blocks_run_in_bounded_memory():
-    """Hidden 7168, the first 4 blocks of the 671B config (3 dense, 1 MoE), 8 tokens, on this CPU."""
-    out = subprocess.run(
-        [sys.executable, str(GPU_CHECK), "--device", "cpu", "--n-layers", "4", "--tokens", "8", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=REPO,
-    )
-    summary = json.loads(out.stdout)
-    assert out.returncode == 0 and summary["ok"], summary
-    assert summary["peak_host_rss_bytes"] < 8 * 2**30
-    assert summary["per_block"][4]["experts"] > 0  # layer 3 is MoE and loaded only its picked experts
-    print(json.dumps({k: v for k, v in summary.items() if k != "per_block"}))
+def test_real_width_first_four_blocks_stream_in_bounded_memory(tmp_path):
+    """Hidden 7168, the first 4 blocks of the 671B config (3 dense, 1 MoE), 8 tokens, streamed on this CPU."""
+    out = tmp_path / "trace.safetensors"
+    argv = [sys.executable, "-m", "tracing", "run", "--synthetic", str(REPO / "assets" / "configs" / "config_671B_hf.json")]
+    argv += ["--n-layers", "4", "--stream", "--token-ids", "1,2,3,4,5,6,7,8", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import resource
+
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 8 * 2**30
+    trace = Trace.load(out)
+    assert trace["layers.3.ffn.gate.topk_indices"].shape == (8, 8)  # layer 3 is MoE: its picked experts were read
 
 
 def test_replay_reads_what_a_forward_reads_without_computing(tiny_source, tokens):
