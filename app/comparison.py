@@ -11,10 +11,9 @@ import streamlit as st
 from app import widgets
 from app.core.session import origin
 from app.core.traces import Entry, describe_interventions
-from app.topics import experts, generation, interventions, predictions, router, tokens
+from app.topics import experts, generation, intervention_runs, interventions, predictions, router, tokens
 from app.topics.export import OCTETS, ZIP, zip_bytes
 from app.topics.interventions import TABLES, changed_rows
-from tracing.analyses.diff import diff_tables, summary
 from tracing.analyses.interventions import from_spec
 from tracing.errors import InputError
 
@@ -30,11 +29,10 @@ def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
     if not texts_part(base, iv):
         return
     try:
-        tables = iv.memo(("diff", base.key), lambda: diff_tables(a, b))
+        tables, info = intervention_runs.diff(base, iv)
     except InputError as exc:
         st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
-    info = iv.memo(("diff_summary", base.key), lambda: summary(a, b, tables))
     st.subheader("Baseline vs intervened", anchor=False)
     st.markdown(
         " ".join(f":red-badge[:material/science: {widgets.escape_md(d)}]" for d in describe_interventions(from_spec(spec)))

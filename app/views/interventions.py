@@ -18,101 +18,18 @@ import streamlit as st
 from app import comparison, widgets
 from app.core import paths
 from app.core.errors import BAD_INPUT
-from app.core.models import AppModel, open_model
+from app.core.models import AppModel
 from app.core.session import current, session_model
-from app.core.traces import Entry, request_for, store, trace_prompt
+from app.core.traces import Entry
 from app.topics import experts, interventions
+from app.topics import intervention_runs as runs
 from app.topics.export import ZIP, zip_bytes
-from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, TABLES, ZERO, PerBlock, listing, moe_block_ids
-from tracing.analyses.diff import check_shapes, check_tokenizers, diff_tables, summary
-from tracing.analyses.interventions import from_spec
+from app.topics.interventions import ABLATE, ARRIVING, HEADS, TABLES, ZERO, PerBlock, listing, moe_block_ids
 
 ATTENTION = ("model", "dense", "topk")
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
 COMPARE = {"interventions": "interventions on this checkpoint", "checkpoint": "another checkpoint"}
 OTHER = "iv_other_result"  # {"base": the baseline's store key, "dir": the other checkpoint as typed}
-PAIR_SITES = ("default", "logits.all", "layers.*.logit_lens.*")  # both checkpoints record these (the per-position KL)
-PAIR = "checkpoint diff"  # the store's variant of a trace made for the comparison
-
-
-# --- the spec: what to run, as plain values ---------------------------------------------------------------
-def spec_from_widgets(cfg) -> dict[str, Any]:
-    """The interventions the widgets ask for: ``{"ablate" | "zero_experts" | "ablate_heads": {block: [ids]},
-    "no_bias": None | "all" | [blocks], "attention": None | "dense" | k, "no_act_fp8": bool, "at": None | "P" |
-    "A:B"}`` (the positions the removals act at). InputError when typed ids do not parse."""
-    spec: dict[str, Any] = {kind.spec_key: kind.picked(st.session_state, cfg) for kind in PER_BLOCK}
-    no_bias = None
-    if st.session_state.get("iv_no_bias") and cfg.has_gate_bias:
-        chosen = st.session_state.get("iv_no_bias_blocks") or []
-        no_bias = sorted(int(b) for b in chosen) if chosen else "all"
-    mode = st.session_state.get("iv_attention", "model") if cfg.has_indexer else "model"
-    attention = "dense" if mode == "dense" else int(st.session_state.get("iv_topk") or 1) if mode == "topk" else None
-    at = (st.session_state.get("iv_at") or "").strip()
-    no_act_fp8 = bool(st.session_state.get("iv_no_act_fp8")) and cfg.dtype == "fp8" and cfg.has_indexer
-    return {**spec, "no_bias": no_bias, "attention": attention, "no_act_fp8": no_act_fp8, "at": at or None}
-
-
-# --- callbacks (run before the page is drawn again) ------------------------------------------------------------
-def _add_expert(key: str, expert: int) -> None:
-    st.session_state[key] = sorted({*(st.session_state.get(key) or []), expert})
-
-
-def _clear() -> None:
-    for kind in PER_BLOCK:
-        for key in [k for k in st.session_state if kind.block_of(k) is not None]:
-            st.session_state[key] = []
-        st.session_state[kind.text_key] = ""
-    st.session_state["iv_no_bias"] = False
-    st.session_state["iv_no_bias_blocks"] = []
-    st.session_state["iv_attention"] = "model"
-    st.session_state["iv_no_act_fp8"] = False
-    st.session_state["iv_at"] = ""
-
-
-def _keep(cfg) -> None:
-    """Carry the per-block picks across block switches (the page's other widgets are kept by the
-    session's schema), dropping values this config lacks."""
-    for kind in PER_BLOCK:
-        _keep_picks(kind, cfg)
-    blocks = moe_block_ids(cfg)
-    st.session_state["iv_no_bias_blocks"] = [b for b in st.session_state.get("iv_no_bias_blocks", []) if b in blocks]
-    st.session_state.setdefault("iv_no_bias", False)
-    st.session_state.setdefault("iv_attention", "model")
-    st.session_state.setdefault("iv_topk", max(1, cfg.index_topk // 2))
-    st.session_state["iv_topk"] = min(max(1, int(st.session_state["iv_topk"])), cfg.max_seq_len)
-    st.session_state.setdefault("iv_only_changed", True)
-    st.session_state.setdefault("iv_at", "")
-
-
-def _keep_picks(kind: PerBlock, cfg) -> None:
-    blocks, ids = kind.blocks(cfg), kind.ids(cfg)
-    for key in [k for k in st.session_state if kind.block_of(k) is not None]:
-        if kind.block_of(key) not in blocks:
-            del st.session_state[key]
-        else:
-            st.session_state[key] = [i for i in st.session_state[key] if i in ids]
-    if kind.text_key in st.session_state:
-        st.session_state[kind.text_key] = st.session_state[kind.text_key]
-    block = st.session_state.get(kind.block_key)
-    if block not in blocks:
-        chosen = st.session_state.get("block", 0)
-        block = chosen if chosen in blocks else (blocks[0] if blocks else None)
-    st.session_state[kind.block_key] = block
-
-
-def _arrive() -> bool:
-    """Take a removal another page asked for (app.topics.interventions.ask_to_remove): it alone is picked.
-    True when there was one, to run it now."""
-    asked = st.session_state.pop(ARRIVING, None)
-    if not asked:
-        return False
-    _clear()
-    for kind in PER_BLOCK:
-        for block, ids in (asked.get(kind.spec_key) or {}).items():
-            st.session_state[f"{kind.prefix}{block}"] = list(ids)
-            st.session_state[kind.block_key] = block
-    st.session_state["iv_at"] = asked.get("at") or ""
-    return True
 
 
 # --- the page --------------------------------------------------------------------------------------------------
@@ -136,8 +53,8 @@ def page() -> None:
         other_checkpoint(om, base)
         return
     cfg = om.args
-    arrived = _arrive()
-    _keep(cfg)
+    arrived = runs.arrive(st.session_state)
+    runs.keep(st.session_state, cfg)
     controls(base, cfg)
     run = st.button("Run with these interventions", type="primary", key="iv_run", icon=":material/play_arrow:")
     if run or arrived:
@@ -189,31 +106,17 @@ def other_checkpoint(om: AppModel, base: Entry) -> None:
         )
         return
     try:
-        a, b = traced_pair(om, base, asked["dir"])
-        tables = b.memo(("checkpoint_diff", a.key), lambda: diff_tables(a.trace, b.trace))
+        other = runs.open_other(om, asked["dir"])
+        with st.spinner(f"Tracing the prompt on {other.label}…"):
+            a, b = runs.traced_pair(om, base, other)
+        tables, info = runs.pair_diff(a, b)
     except BAD_INPUT as exc:
         st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
-    show_pair(a, b, tables)
+    show_pair(a, b, tables, info)
 
 
-def traced_pair(om: AppModel, base: Entry, value: str) -> tuple[Entry, Entry]:
-    """The baseline's prompt (without its generation) on this model and on the one ``value`` names,
-    recording :data:`PAIR_SITES`; refused (the error says why) when the checkpoint does not open (confined
-    under the roots: app.core.paths), the shapes differ, or the tokenizers make other tokens of the prompt."""
-    key = base.key
-    other = open_model(value, om.dtype)
-    check_shapes(om.args, other.args, "the checkpoints are models")
-    a = trace_prompt(om, key.prompt, variant=PAIR, record=PAIR_SITES, chat=key.chat)
-    check_tokenizers(a.trace.token_ids, other.encode(request_for(other, key.prompt, chat=key.chat)))  # before it runs
-    with st.spinner(f"Tracing the prompt on {other.label}…"):
-        b = trace_prompt(other, key.prompt, variant=PAIR, record=PAIR_SITES, chat=key.chat)
-    check_tokenizers(a.trace.token_ids, b.trace.token_ids, pieces_a=a.trace.tokens, pieces_b=b.trace.tokens)
-    return a, b
-
-
-def show_pair(a: Entry, b: Entry, tables: dict) -> None:
-    info = b.memo(("checkpoint_summary", a.key), lambda: summary(a.trace, b.trace, tables))
+def show_pair(a: Entry, b: Entry, tables: dict, info: dict) -> None:
     names = (a.origin.split(" · ")[0], b.origin.split(" · ")[0])
     st.subheader(f"{widgets.escape_md(names[0])} vs {widgets.escape_md(names[1])}", anchor=False)
     st.caption(
@@ -279,12 +182,9 @@ def baseline(om: AppModel) -> Entry | None:
     if key is None or not key.on(om):
         widgets.no_trace()
         return None
-    entry = store().get(key.plain)
-    if entry is not None:
-        return entry
     try:
         with st.spinner("Tracing the baseline…"):
-            return trace_prompt(om, key.prompt, generation=key.generation, chat=key.chat)
+            return runs.baseline(om, key)
     except BAD_INPUT as exc:
         st.error(f"**The baseline could not be traced.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
@@ -369,7 +269,7 @@ def controls(base: Entry, cfg) -> None:
                 "to the baseline. An attribution's causal check removes a part at the attributed position only. "
                 "The command line's LAYER:ID@P.",
             )
-            st.button("Clear all", key="iv_clear", on_click=_clear, icon=":material/restart_alt:")
+            st.button("Clear all", key="iv_clear", on_click=runs.clear, args=(st.session_state,), icon=":material/restart_alt:")
 
 
 def block_picker(kind: PerBlock, cfg, label: str) -> int:
@@ -400,8 +300,8 @@ def expert_picker(base: Entry, cfg, kind: PerBlock, label: str, help: str) -> No
         st.button(
             f"Add expert {left[0]}, the busiest not picked",
             key=f"iv_add_busiest_{kind.spec_key}",
-            on_click=_add_expert,
-            args=(key, left[0]),
+            on_click=runs.add_expert,
+            args=(st.session_state, key, left[0]),
             icon=":material/add:",
         )
 
@@ -460,9 +360,8 @@ def typed(kind: PerBlock, cfg) -> None:
 
 def run_now(om: AppModel, base: Entry, cfg) -> None:
     try:
-        spec = spec_from_widgets(cfg)
-        changes = from_spec(spec)
-        if not changes:
+        spec = runs.spec_of(st.session_state, cfg)
+        if not runs.changes(spec):
             st.warning(
                 "Nothing to change: choose experts to ablate or zero, heads to ablate, the router without its bias, "
                 "another attention, or no FP8 activation rounding."
@@ -474,7 +373,7 @@ def run_now(om: AppModel, base: Entry, cfg) -> None:
             bar.progress(i / cfg.n_layers, text=f"Block {i} ({i + 1} of {cfg.n_layers})…")
 
         try:
-            trace_prompt(om, base.key.prompt, on_block, interventions=spec, generation=base.key.generation, chat=base.key.chat)
+            runs.intervened(om, base, spec, on_block)
         finally:
             bar.empty()
     except BAD_INPUT as exc:
@@ -487,7 +386,7 @@ def intervened(om: AppModel, base: Entry, spec: dict[str, Any]) -> Entry | None:
     """The last run's trace, from the store, or run again when the store dropped it."""
     try:
         with st.spinner("Running with the interventions…"):
-            return trace_prompt(om, base.key.prompt, interventions=spec, generation=base.key.generation, chat=base.key.chat)
+            return runs.intervened(om, base, spec)
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
