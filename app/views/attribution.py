@@ -16,18 +16,16 @@ from app import card_view, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.core.session import View, session_model
-from app.core.traces import Entry, TraceKey, token_of, trace_prompt
+from app.core.traces import Entry, TraceKey
 from app.pages import PAGES
 from app.topics import attribution as topic
+from app.topics import attribution_runs as runs
 from app.topics import interventions
+from app.topics.attribution_runs import NONE
 from app.topics.tokens import labels
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.causal import causal_check
-from tracing.runner import TraceRequest
 
 FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)
-PICKED_FOR = "attr_picked_for"  # the plain trace's key the pickers were set for
-NONE = -1  # the contrast picker's "none" (a selectbox shows None as no choice at all)
 TARGET_HELP = "The position's ten most likely next tokens, the most likely first."
 CONTRAST_HELP = "Attribute the target's logit minus this token's: what makes the model prefer one over the other."
 ANY_HELP = "Any token of the vocabulary, by its text (a leading space is part of it: ' Wentworth') or its id."
@@ -74,11 +72,7 @@ def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:
     """Position (default: the last), target (default: the top prediction there) and an optional contrast."""
     trace = base.trace
     n = trace.n_tokens
-    # a new trace resets the pickers; a session's first (a link's position and target) keeps them where they fit
-    if st.session_state.get(PICKED_FOR) not in (None, plain) or st.session_state.get("attr_position") not in range(n):
-        st.session_state["attr_position"] = n - 1
-        st.session_state["attr_target"] = st.session_state["attr_contrast"] = None  # the top prediction, no contrast
-    st.session_state[PICKED_FOR] = plain
+    runs.fit_pickers(st.session_state, plain, n)
     names = labels(base)
     left, middle, right = st.columns(3)
     position = left.selectbox("Position", range(n), key="attr_position", format_func=lambda t: names[t])
@@ -91,16 +85,11 @@ def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:
     contrast = pick(right, "Contrast", others, "attr_contrast", name, CONTRAST_HELP)
     typed = middle.text_input("…or any token", key="attr_target_text", placeholder="text or id", help=ANY_HELP)
     typed_contrast = right.text_input("…or any token", key="attr_contrast_text", placeholder="text or id", help=ANY_HELP)
-    om = session_model()
     try:
-        if typed.strip() and om is not None:
-            target = token_of(om, "Target", typed)
-        if typed_contrast.strip() and om is not None:
-            contrast = token_of(om, "Contrast", typed_contrast)
+        return runs.request_of(session_model(), position, target, contrast, typed, typed_contrast)
     except BAD_INPUT as exc:
         st.error(f"**Not attributed.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         st.stop()
-    return AttributionRequest(position, target, None if contrast == NONE else contrast)
 
 
 def pick(where, label: str, options: list[int], key: str, name, help: str) -> int:
@@ -111,18 +100,9 @@ def pick(where, label: str, options: list[int], key: str, name, help: str) -> in
 
 
 def attributed(om: AppModel, plain: TraceKey, request: AttributionRequest, flow: bool) -> Entry | None:
-    record = ("default", "flow") if flow else ("default",)
     try:
         with st.spinner("Attributing…"):
-            return trace_prompt(
-                om,
-                plain.prompt,
-                variant=topic.variant(request, flow),
-                attribution=request,
-                record=record,
-                generation=plain.generation,
-                chat=plain.chat,
-            )
+            return runs.attributed(om, plain, request, flow)
     except BAD_INPUT as exc:
         st.error(f"**Not attributed.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
@@ -179,14 +159,10 @@ def side_by_side(view: View, *charts: tuple) -> None:
 def chosen_block(view: View) -> int:
     """The block whose parts are shown: it opens on the block of the largest head or expert part
     (where the answer is), for each attributed trace; then the reader's choice."""
-    n = view.config.n_layers
-    if st.session_state.get("attr_block_for") != view.entry.key or st.session_state.get("attr_block") not in range(n):
-        st.session_state["attr_block_for"] = view.entry.key
-        strongest = interventions.strongest_block(view.trace)
-        st.session_state["attr_block"] = strongest if strongest is not None else min(view.block, n - 1)
+    runs.fit_block(st.session_state, view.entry, view.block)
     return st.selectbox(
         "Block",
-        range(n),
+        range(view.config.n_layers),
         key="attr_block",
         format_func=lambda b: f"block {b}",
         help="Opens on the block of the largest head or expert part.",
@@ -248,27 +224,9 @@ def causal_view(om: AppModel, plain: TraceKey, view: View) -> None:
         st.session_state["attr_causal_for"] = asked
     if st.session_state.get("attr_causal_for") != asked:
         return
-    info = topic.attributed(view.trace)
-    request = TraceRequest(
-        prompt=plain.prompt, attribute=True, position=info["position"], target=info["target"], contrast=info["contrast"]
-    )
-
-    def again(changed: TraceRequest):
-        attribution = AttributionRequest(changed.position, changed.target, changed.contrast)
-        entry = trace_prompt(
-            om,
-            plain.prompt,
-            variant=topic.variant(attribution, False),
-            attribution=attribution,
-            interventions=changed.interventions,
-            generation=plain.generation,
-            chat=plain.chat,
-        )
-        return entry.trace
-
     try:
         with st.spinner(f"Removing {n} parts, one run each…"):
-            table = view.memo(("attr_causal", n), lambda: causal_check(again, request, n, view.trace))
+            table = runs.causal(om, plain, view.entry, n)
     except BAD_INPUT as exc:
         st.error(f"**Not checked.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
