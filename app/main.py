@@ -1,7 +1,7 @@
 """DeepSeek-V3.2-Exp anatomy explorer: ``streamlit run app/main.py``.
 
 A thin router, run only by Streamlit: page setup, the sidebar (model source, prompt, Trace, block),
-then the chosen page. Pages live in ``app/views/`` (one module each); app.pages lists them.
+then the chosen page. Pages live in ``app/views/`` (one module each); app.core.pages lists them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ load_torch()  # before anything imports torch: its idle OpenMP threads sleep (tr
 # isort: split
 from app import sidebar, widgets  # noqa: E402
 from app.core import links, session  # noqa: E402
-from app.pages import PAGES  # noqa: E402
+from app.core.pages import PAGES  # noqa: E402
 
 ABOUT = (
     "**DeepSeek-V3.2-Exp anatomy explorer.** Every component's equation, tensor shapes and code beside the "

@@ -159,7 +159,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("atlas_opened", "Atlas: the atlas this session opened last (the Router page draws its experts)"),
     Key("router_atlas_expert_", "Router: the atlas expert whose tokens in the prompt are marked (per block)", family=True),
     Key("attention_sinks_csv", "Attention: the prompt's sinks table's CSV download"),
-    Key("page_drawn", "the figures and tables the page drew, for its one download (app.widgets.new_page)"),
+    Key("page_drawn", "the figures and tables the page drew, for its one download (app.ui.widgets.new_page)"),
     Key("page_zip", "the page's download of all its figures and tables"),
     Key("resid_skip_first", "Residual: the stream norm with position 0 left out", kept=True),
     Key("resid_updates_skip_first", "Residual: the block's update sizes with position 0 left out", kept=True),

@@ -1,7 +1,7 @@
 """Component cards: their content is data (``assets/cards/*.json``); this module reads it, resolves the
 symbolic shapes for a config, and cuts the code excerpts out of the project's own source.
 
-No Streamlit here: rendering lives in :mod:`app.widgets`, the live plots in :mod:`app.topics.card_plots`. A card file holds::
+No Streamlit here: rendering lives in :mod:`app.ui.widgets`, the live plots in :mod:`app.topics.card_plots`. A card file holds::
 
     id, order, title, scope (model | all | dense | moe), summary, equations (LaTeX),
     inputs / params / outputs: [{symbol (LaTeX), dims ["B", "T", "D"], dtype?, what?}],

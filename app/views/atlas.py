@@ -9,9 +9,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from app import widgets
 from app.core import paths, settings
 from app.topics import atlas as topic
+from app.ui import widgets
 from tracing.atlas import Atlas, AtlasError
 from tracing.errors import InputError
 

@@ -12,17 +12,17 @@ import html
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
+from app.core.pages import PAGES
 from app.core.session import View, session_model
 from app.core.traces import Entry, TraceKey
-from app.pages import PAGES
 from app.topics import attribution as topic
 from app.topics import attribution_runs as runs
 from app.topics import interventions
 from app.topics.attribution_runs import NONE
 from app.topics.tokens import labels
+from app.ui import card_view, widgets
 from tracing.analyses.attribution import AttributionRequest
 
 FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)

@@ -15,7 +15,6 @@ from typing import Any
 
 import streamlit as st
 
-from app import comparison, widgets
 from app.core import paths
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
@@ -25,6 +24,7 @@ from app.topics import experts, interventions
 from app.topics import intervention_runs as runs
 from app.topics.export import ZIP, zip_bytes
 from app.topics.interventions import ABLATE, ARRIVING, HEADS, TABLES, ZERO, PerBlock, listing, moe_block_ids
+from app.ui import comparison, widgets
 
 ATTENTION = ("model", "dense", "topk")
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again

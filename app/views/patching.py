@@ -12,12 +12,12 @@ import dataclasses
 
 import streamlit as st
 
-from app import comparison, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.core.session import current, session_model
 from app.core.traces import request_for, token_limit, token_of, trace_prompt
 from app.topics import patching as topic
+from app.ui import comparison, widgets
 from tracing.analyses.patching import SITES, Cell, patch_of, record_for, sweep
 from tracing.errors import InputError
 

@@ -48,8 +48,7 @@ def test_every_key_a_visit_of_every_page_leaves_is_declared(app_checkpoint, monk
     declared."""
     from streamlit.testing.v1 import AppTest
 
-    from app import pages
-    from app.core import settings
+    from app.core import pages, settings
     from tests.app.test_app import APP, TIMEOUT
 
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)

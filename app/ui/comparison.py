@@ -8,12 +8,12 @@ from typing import Any
 
 import streamlit as st
 
-from app import widgets
 from app.core.session import origin
 from app.core.traces import Entry, describe_interventions
 from app.topics import experts, generation, intervention_runs, interventions, predictions, router, tokens
 from app.topics.export import OCTETS, ZIP, zip_bytes
 from app.topics.interventions import TABLES, changed_rows
+from app.ui import widgets
 from tracing.analyses.interventions import from_spec
 from tracing.errors import InputError
 

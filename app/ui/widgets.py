@@ -15,9 +15,9 @@ import streamlit as st
 from tracing.sites import INDEXER_MISSING
 from tracing.tables import to_csv_bytes
 
-from .core.markup import escape_md
-from .core.session import View, current, origin
-from .topics.export import PNG_SCALE, ZIP, images_unavailable, page_zip_bytes, slug
+from ..core.markup import escape_md
+from ..core.session import View, current, origin
+from ..topics.export import PNG_SCALE, ZIP, images_unavailable, page_zip_bytes, slug
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 DRAWN = "page_drawn"  # session key: the page whose figures and tables were drawn, and them
