@@ -16,7 +16,9 @@ from tracing.sites import INDEXER_MISSING
 from tracing.tables import to_csv_bytes
 
 from ..core.markup import escape_md
-from ..core.session import View, current, origin
+from ..core.models import AppModel
+from ..core.session import View, current, origin, session_model
+from ..core.traces import TraceKey
 from ..topics.export import PNG_SCALE, ZIP, images_unavailable, page_zip_bytes, slug
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
@@ -190,6 +192,25 @@ def page_view(title: str, intro: str) -> View | None:
     if view is None:
         no_trace()
     return view
+
+
+def model_page(title: str, intro: str, needs: str, upload: str | None = None) -> AppModel | None:
+    """The top of a page that runs the model again: its header and the session's model, or None after
+    saying so (:func:`page_model`)."""
+    page_header(title, intro, current())
+    return page_model(needs, upload)
+
+
+def page_model(needs: str, upload: str | None = None, shown: TraceKey | None = None) -> AppModel | None:
+    """The session's model for a page that runs it again, or None after saying, in the page's words, how
+    to load one: ``needs``, or ``upload`` while a trace file is the source. Also None when the trace
+    ``shown`` was not made on that model."""
+    om = session_model()
+    if om is not None and (shown is None or shown.on(om)):
+        return om
+    from_file = upload is not None and st.session_state.get("source") == "upload"
+    st.info(upload if from_file else needs, icon=":material/info:" if from_file else ":material/arrow_back:")
+    return None
 
 
 def no_trace() -> None:

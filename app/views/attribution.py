@@ -32,6 +32,11 @@ ANY_HELP = "Any token of the vocabulary, by its text (a leading space is part of
 INTERVENTIONS = next(p for p in PAGES if p.name == "interventions")
 
 
+NEEDS = (
+    "The attribution runs the model again: choose **Bundled demo** or a **Checkpoint directory** in the sidebar. "
+    "A trace file shows its attribution when it was made with one: "
+    "`python -m tracing run ... --attribute [--position P] [--target TOKEN] [--record default,flow]`."
+)
 INTRO = (
     "Which blocks, heads, experts and earlier tokens made a prediction: with the final norm's scale frozen, the logit "
     "is a sum of one number per part (docs/attribution.md). Keys the indexer dropped bring nothing."
@@ -46,10 +51,9 @@ def page() -> None:
         st.caption(":material/info: This trace holds an attribution: shown as it was recorded.")
         show(View(view.entry, view.block))
         return
-    om = session_model()
     key = view.entry.key
-    if om is None or not key.on(om):
-        no_model()
+    om = widgets.page_model(NEEDS, NEEDS, shown=key)  # a trace file: what it would need
+    if om is None:
         return
     request = pickers(view.entry, key.plain)
     flow = st.session_state.get(FLOW_FOR) == key.plain
@@ -57,15 +61,6 @@ def page() -> None:
     if entry is not None:
         show(View(entry, view.block))
         causal_view(om, key.plain, View(entry, view.block))
-
-
-def no_model() -> None:
-    st.info(
-        "The attribution runs the model again: choose **Bundled demo** or a **Checkpoint directory** in the sidebar. "
-        "A trace file shows its attribution when it was made with one: "
-        "`python -m tracing run ... --attribute [--position P] [--target TOKEN] [--record default,flow]`.",
-        icon=":material/info:",
-    )
 
 
 def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:

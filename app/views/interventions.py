@@ -18,7 +18,6 @@ import streamlit as st
 from app.core import paths
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
-from app.core.session import current, session_model
 from app.core.traces import Entry
 from app.topics import intervention_runs as runs
 from app.topics.interventions import ARRIVING
@@ -31,17 +30,18 @@ OTHER = "iv_other_result"  # {"base": the baseline's store key, "dir": the other
 
 # --- the page --------------------------------------------------------------------------------------------------
 def page() -> None:
-    widgets.page_header(
+    om = widgets.model_page(
         "Interventions",
         "Change one thing and watch what moves: ablate experts (the router goes around them), zero experts' outputs "
         "(still chosen, writing nothing), ablate attention heads, route without the correction bias, or attend to "
         "every key (or another number of them). The prompt runs again and the two traces are compared block by block; "
         "removing the head or expert with the largest part on the Attribution page is its causal check.",
-        current(),
+        "Interventions run the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory) first.",
+        upload="Interventions run the model again, and a trace file holds no model. Choose **Bundled demo** or a "
+        "**Checkpoint directory** in the sidebar to run one; two trace files of one prompt compare on the "
+        "command line: `python -m tracing diff A.safetensors B.safetensors --csv DIR`.",
     )
-    om = session_model()
     if om is None:
-        no_model()
         return
     base = baseline(om)
     if base is None:
@@ -111,22 +111,6 @@ def other_checkpoint(om: AppModel, base: Entry) -> None:
         st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
     comparison.show_pair(a, b, tables, info)
-
-
-def no_model() -> None:
-    if st.session_state.get("source") == "upload":
-        st.info(
-            "Interventions run the model again, and a trace file holds no model. Choose **Bundled demo** or a "
-            "**Checkpoint directory** in the sidebar to run one; two trace files of one prompt compare on the "
-            "command line: `python -m tracing diff A.safetensors B.safetensors --csv DIR`.",
-            icon=":material/info:",
-        )
-    else:
-        st.info(
-            "Interventions run the model again: load a checkpoint in the sidebar (the bundled demo or a "
-            "checkpoint directory) first.",
-            icon=":material/arrow_back:",
-        )
 
 
 def baseline(om: AppModel) -> Entry | None:

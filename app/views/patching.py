@@ -14,7 +14,6 @@ import streamlit as st
 
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
-from app.core.session import current, session_model
 from app.core.traces import request_for, token_limit, token_of, trace_prompt
 from app.topics import patching as topic
 from app.ui import comparison, widgets
@@ -26,20 +25,15 @@ MAX_RUNS = 3000  # one forward each: a sweep larger than this is refused before 
 
 
 def page() -> None:
-    widgets.page_header(
+    om = widgets.model_page(
         "Patching",
         "Which activations carry the answer: run a corrupt prompt, put back one value of the clean run (a block's "
         "stream, its attention or FFN update, one head, one expert) at one position, and see how much of the clean "
         "logit difference returns. 1 restores the clean answer, 0 changes nothing. One forward per cell.",
-        current(),
+        "Patching runs the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory). "
+        "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`.",
     )
-    om = session_model()
     if om is None:
-        st.info(
-            "Patching runs the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory). "
-            "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`.",
-            icon=":material/arrow_back:",
-        )
         return
     asked = controls(om)
     if st.button("Run the sweep", type="primary", key="patch_run", icon=":material/play_arrow:"):
