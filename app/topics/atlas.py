@@ -20,6 +20,15 @@ from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_a
 from .tokens import show_token
 
 BUNDLED = Path(__file__).resolve().parents[2] / "assets" / "demo_atlas"
+
+
+def stamp(path: str) -> tuple:
+    """The atlas files' names, sizes and times: what tells a rewritten atlas directory from the one read."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.parquet")) + [folder / "summary.json"]
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
 ZIP_NAMES = ("summary.json",)  # besides the tables' <name>.parquet files
 
 

@@ -231,3 +231,17 @@ def no_indexer(where=st) -> None:
 def missing(what: str, sites: tuple[str, ...] | list[str], block: int | None = None) -> None:
     names = ", ".join(f"`{s.replace('{i}', '*' if block is None else str(block))}`" for s in sites)
     st.caption(f":material/visibility_off: {what}: this trace did not record {names}.")
+
+
+def pick(where, label: str, options: list[int], key: str, name, help: str) -> int:
+    """A selectbox that keeps its choice while the choice is among the options, else takes the first."""
+    if st.session_state.get(key) not in options:
+        st.session_state[key] = options[0]
+    return where.selectbox(label, options, key=key, format_func=name, help=help)
+
+
+def side_by_side(view: View, *charts: tuple) -> None:
+    """Figures in columns, each ``(key, build, *args)`` built once per trace (memo_chart)."""
+    for column, (key, build, *args) in zip(st.columns(len(charts), gap="large"), charts, strict=True):
+        with column:
+            memo_chart(view, key, build, *args)
