@@ -9,6 +9,7 @@ from collections.abc import MutableMapping
 
 import pandas as pd
 
+from app.core.keys import POSITION, TOKEN, Key, integer, number, one_of
 from app.core.models import AppModel
 from app.core.traces import Entry, TraceKey, token_of, trace_prompt
 from tracing.analyses.attribution import AttributionRequest
@@ -89,3 +90,32 @@ def fit_block(state: MutableMapping, entry: Entry, block: int) -> None:
         state["attr_block_for"] = entry.key
         strongest = strongest_block(entry.trace)
         state["attr_block"] = strongest if strongest is not None else min(block, n - 1)
+
+
+# the Attribution page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("attr_position", "Attribution: the attributed position", kept=True, link=POSITION),
+    Key("attr_target", "Attribution: the target token", kept=True, link=TOKEN),
+    Key("attr_contrast", "Attribution: the contrast token", kept=True, link=TOKEN),
+    Key("attr_target_text", "Attribution: a target typed as text or id (any token)", kept=True),
+    Key("attr_contrast_text", "Attribution: a contrast typed as text or id (any token)", kept=True),
+    Key("attr_threshold", "Attribution: the contribution graph's edge threshold", kept=True, link=number(0.01, 0.5)),
+    Key("attr_flow_run", "Attribution: the contribution graph's button"),
+    Key("attr_flow_for", "Attribution: the plain trace's key the contribution graph was asked for"),
+    Key("attr_picked_for", "Attribution: the plain trace's key the pickers were set for"),
+    Key("attr_remove_", "Attribution: the one-click removal of a part (its key)", family=True),
+    Key("attr_block", "Attribution: the block whose parts are shown", kept=True),
+    Key("attr_block_for", "Attribution: the attributed trace's key the block was set for (its strongest block)"),
+    Key("attr_causal_n", "Attribution: how many parts the causal check removes", kept=True),
+    Key("attr_causal_run", "Attribution: the causal check's button"),
+    Key("attr_causal_for", "Attribution: (the attributed trace's key, n) the causal check was asked for"),
+    Key("attr_causal_csv", "Attribution: the causal check's CSV download"),
+    Key("attr_csv", "Attribution: the parts' CSV download"),
+    Key(
+        "attr_edges",
+        "Attribution: the contribution graph's edges, each stream's top k or above a share",
+        kept=True,
+        link=one_of("top k per stream", "above a share"),
+    ),
+    Key("attr_top", "Attribution: the contribution graph's k edges per stream", kept=True, link=integer(1, 20)),
+)

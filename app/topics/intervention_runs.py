@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from app.core.keys import Key, flag, one_of, text
 from app.core.models import AppModel, open_model
 from app.core.traces import Entry, TraceKey, request_for, store, trace_prompt
 from model.config import ModelArgs
@@ -157,3 +158,46 @@ def pair_diff(a: Entry, b: Entry) -> tuple[dict[str, pd.DataFrame], dict]:
     tables = b.memo(("checkpoint_diff", a.key), lambda: diff_tables(a.trace, b.trace))
     info = b.memo(("checkpoint_summary", a.key), lambda: summary(a.trace, b.trace, tables))
     return tables, info
+
+
+# the Interventions page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("iv_result", "Interventions: the last run, {base: the baseline's key, spec: what was run}"),
+    Key("iv_arriving", "Interventions: a removal another page asked for, run on arrival"),
+    Key("iv_run", "Interventions: the Run button"),
+    Key("iv_clear", "Interventions: the Clear button"),
+    Key("iv_only_changed", "Interventions: show only what changed", kept=True),
+    Key("iv_no_bias", "Interventions: route without the correction bias", kept=True, link=flag),
+    Key("iv_no_bias_blocks", "Interventions: ... in these blocks", kept=True),
+    Key(
+        "iv_attention",
+        "Interventions: the attention (sparse, dense, another top-k)",
+        kept=True,
+        link=one_of("model", "dense", "topk"),
+    ),
+    Key("iv_topk", "Interventions: the other index_topk", kept=True),
+    Key("iv_no_act_fp8", "Interventions: FP8 products without the activations' rounding", False, kept=True, link=flag),
+    Key("iv_at", "Interventions: the positions the removals act at (P, A:B; empty: every position)", kept=True, link=text(64)),
+    Key("iv_load_block", "Interventions: the block whose expert load is shown"),
+    Key("iv_add_busiest_", "Interventions: add the busiest experts (per kind)", family=True),
+    Key("iv_experts_", "Interventions: experts ablated in a block", family=True),
+    Key("iv_block", "Interventions: the block whose experts are being ablated"),
+    Key("iv_ablate_text", "Interventions: experts to ablate, typed as LAYER:EXPERT,..."),
+    Key("iv_zeroed_", "Interventions: experts zeroed in a block", family=True),
+    Key("iv_zero_block", "Interventions: the block whose experts are being zeroed"),
+    Key("iv_zero_text", "Interventions: experts to zero, typed"),
+    Key("iv_heads_", "Interventions: heads ablated in a block", family=True),
+    Key("iv_head_block", "Interventions: the block whose heads are being ablated"),
+    Key("iv_head_text", "Interventions: heads to ablate, typed"),
+    Key("iv_show", "Interventions: show the intervened trace in the other pages"),
+    Key("iv_show_base", "Interventions: show the baseline again"),
+    Key("iv_dl_trace", "Interventions: the intervened trace's download"),
+    Key("iv_dl_zip", "Interventions: the comparison tables' download"),
+    Key("iv_dl_csv_", "Interventions: a comparison table's CSV download (the table)", family=True),
+    Key("iv_compare", "Interventions: compare with interventions or another checkpoint", "interventions", kept=True),
+    Key("iv_other_dir", "Interventions: the other checkpoint's directory typed", "", kept=True),
+    Key("iv_other_run", "Interventions: the Compare the checkpoints button"),
+    Key("iv_other_result", "Interventions: the last checkpoint comparison, {base: the baseline's key, dir: as typed}"),
+    Key("iv_other_zip", "Interventions: the checkpoint comparison's tables' download"),
+    Key("iv_other_csv_", "Interventions: a checkpoint comparison table's CSV download (the table)", family=True),
+)
