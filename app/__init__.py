@@ -7,8 +7,8 @@ core/     what every page stands on: settings (environment), models (the model c
 topics/   one module per topic, its data shaping (no Streamlit) and its figures together: model_map,
           residual, predictions, attention, router, experts, interventions, export, cards (content)
           and card_plots (each card's live plot); tokens, arrays, figures and margins are shared by
-          them. intervention_runs and attribution_runs run those pages' analyses on an AppModel.
-          Each page's session keys (KEYS) are declared in its topic.
+          them. intervention_runs, attribution_runs and patching_runs run those pages' analyses on an
+          AppModel. Each page's session keys (KEYS) are declared in its topic.
 ui/       the Streamlit pieces pages share: widgets (the prologue of a page included), card_view (the
           component cards), comparison (two runs side by side), intervention_controls, causal (the
           attribution's causal check), prefetch (the browser fetches plotly.js while torch loads)
