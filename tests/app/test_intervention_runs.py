@@ -94,5 +94,7 @@ def test_another_checkpoint_that_does_not_open_is_refused(om, tmp_path):
 
 def test_the_same_checkpoint_compared_with_itself_differs_nowhere(om, base, app_checkpoint):
     a, b = runs.traced_pair(om, base, runs.open_other(om, app_checkpoint))
+    assert a.key.variant == runs.PAIR and a.trace.token_ids == base.trace.token_ids and "logits.all" in b.trace
     tables, info = runs.pair_diff(a, b)
-    assert info["first_block_changed"] is None and "blocks" in tables
+    assert info["first_block_changed"] is None and info["kl_mean"] == 0.0 and info["top1_agreement"] == 1.0
+    assert len(tables["blocks"]) == om.args.n_layers
