@@ -1,7 +1,7 @@
 """DeepSeek-V3.2-Exp anatomy explorer: ``streamlit run app/main.py``.
 
 A thin router, run only by Streamlit: page setup, the sidebar (model source, prompt, Trace, block),
-then the chosen page. Pages live in ``app/views/`` (one module each); app.pages lists them.
+then the chosen page. Pages live in ``app/views/`` (one module each); app.core.pages lists them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:  # `streamlit run app/main.py` puts app/ on the pa
 import streamlit as st  # noqa: E402
 from streamlit.runtime.scriptrunner import get_script_run_ctx  # noqa: E402
 
-from app import prefetch  # noqa: E402
+from app.ui import prefetch  # noqa: E402
 
 if get_script_run_ctx(suppress_warning=True) is not None:
     prefetch.plotly()  # before torch loads below: the browser fetches plotly.js meanwhile
@@ -26,9 +26,10 @@ from tracing.startup import load_torch  # noqa: E402
 load_torch()  # before anything imports torch: its idle OpenMP threads sleep (tracing.startup)
 
 # isort: split
-from app import sidebar, widgets  # noqa: E402
+from app import sidebar  # noqa: E402
 from app.core import links, session  # noqa: E402
-from app.pages import PAGES  # noqa: E402
+from app.core.pages import PAGES  # noqa: E402
+from app.ui import widgets  # noqa: E402
 
 ABOUT = (
     "**DeepSeek-V3.2-Exp anatomy explorer.** Every component's equation, tensor shapes and code beside the "

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app import pages as app_pages  # noqa: E402
+from app.core import pages as app_pages  # noqa: E402
 
 APP = REPO / "app" / "main.py"
 # the pages that draw the session's trace without running the model (Interventions and Attribution

@@ -13,6 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from app.core import paths
+from app.core.keys import Key
 from tracing.atlas import Atlas, AtlasError, read_atlas
 from tracing.atlas.tables import experts_table, find_token, search_experts, token_routes
 
@@ -20,6 +21,15 @@ from .figures import COLORS, DIVERGING, figure, heat_height, heatmap, reversed_a
 from .tokens import show_token
 
 BUNDLED = Path(__file__).resolve().parents[2] / "assets" / "demo_atlas"
+
+
+def stamp(path: str) -> tuple:
+    """The atlas files' names, sizes and times: what tells a rewritten atlas directory from the one read."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.parquet")) + [folder / "summary.json"]
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
 ZIP_NAMES = ("summary.json",)  # besides the tables' <name>.parquet files
 
 
@@ -421,3 +431,29 @@ def sinks(atlas: Atlas, block: int, top: int = 15) -> tuple[pd.DataFrame, pd.Dat
     by_token = table[table["position"] < 0].head(top)
     by_token = by_token.assign(token=by_token["token"].map(lambda t: show_token(t, html_escape=False)))
     return by_position.reset_index(drop=True), by_token[["token", "token_id", *columns]].reset_index(drop=True)
+
+
+# the Atlas page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("atlas_source", "Atlas: bundled, a directory or an upload"),
+    Key("atlas_dir", "Atlas: the directory typed"),
+    Key("atlas_upload", "Atlas: the uploaded zip"),
+    Key("atlas_section", "Atlas: the section shown"),
+    Key("atlas_block", "Atlas: the block"),
+    Key("atlas_expert", "Atlas: the expert"),
+    Key("atlas_sorted", "Atlas: the expert load sorted"),
+    Key("atlas_load", "Atlas: the expert load as counts or shares"),
+    Key("atlas_imbalance", "Atlas: the imbalance measure"),
+    Key("atlas_groups", "Atlas: group load shown"),
+    Key("atlas_pairs", "Atlas: co-activation as counts or lift"),
+    Key("atlas_lift", "Atlas: the lift's smoothing"),
+    Key("atlas_bias", "Atlas: the routing bias's view"),
+    Key("atlas_distance", "Atlas: the indexer distance's view"),
+    Key("atlas_recall", "Atlas: the recall's view"),
+    Key("atlas_sink_block", "Atlas: the block whose sinks are listed"),
+    Key("atlas_csv_", "Atlas: a table's CSV button (the table)", family=True),
+    Key("atlas_search", "Atlas: the experts table's search text"),
+    Key("atlas_token", "Atlas: the token searched (its text or id)"),
+    Key("atlas_token_figure", "Atlas: the searched token's experts figure"),
+    Key("atlas_opened", "Atlas: the atlas this session opened last (the Router page draws its experts)"),
+)

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.core.keys import POSITION, Key
 from tracing.tables.grid import index_grid
 from tracing.trace import Trace
 
@@ -279,3 +280,12 @@ def sinks_figure(blocks: list[int], share: np.ndarray, labels: list[str], index_
         yaxis=reversed_axis(),
         xaxis=positions(labels[: share.shape[1]], "key position"),
     )
+
+
+# the Attention page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("query", "Attention: the query position", kept=True, link=POSITION),
+    Key("attention_head", "Attention: the head", kept=True),
+    Key("attention_sinks_csv", "Attention: the prompt's sinks table's CSV download"),
+    Key("attention_skip_first", "Attention: the pattern with key 0 left out", kept=True),
+)

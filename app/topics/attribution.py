@@ -70,6 +70,20 @@ def token_name(trace: Trace, token_id: int | None) -> str:
     return show_token(trace.extra.get("vocab", {}).get(str(int(token_id)), f"<{int(token_id)}>"), html_escape=False)
 
 
+def what(trace: Trace) -> str:
+    """The attributed logit in words: "the logit of 'x'", "... minus that of 'y'"."""
+    info = trace.extra["attribution"]
+    words = f"the logit of {token_name(trace, info['target'])!r}"
+    if info["contrast"] is not None:
+        words += f" minus that of {token_name(trace, info['contrast'])!r}"
+    return words
+
+
+def rest_share(coarse: pd.DataFrame, rest: float) -> float:
+    """The rest's size as a share of the parts' total size (coarse_parts): how nearly the parts sum to the logit."""
+    return abs(rest) / max(float(coarse.loc[coarse["kind"] != "rest", "value"].abs().sum()), 1e-30)
+
+
 def candidates(trace: Trace, position: int) -> list[int]:
     """The token ids the position predicts most (its top 10, best first): targets and contrasts to pick."""
     if "next.topk_indices" not in trace:

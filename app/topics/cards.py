@@ -1,7 +1,7 @@
 """Component cards: their content is data (``assets/cards/*.json``); this module reads it, resolves the
 symbolic shapes for a config, and cuts the code excerpts out of the project's own source.
 
-No Streamlit here: rendering lives in :mod:`app.widgets`, the live plots in :mod:`app.topics.card_plots`. A card file holds::
+No Streamlit here: rendering lives in :mod:`app.ui.widgets`, the live plots in :mod:`app.topics.card_plots`. A card file holds::
 
     id, order, title, scope (model | all | dense | moe), summary, equations (LaTeX),
     inputs / params / outputs: [{symbol (LaTeX), dims ["B", "T", "D"], dtype?, what?}],
@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from app.core.keys import Key
 from model.config import ModelArgs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -342,3 +343,12 @@ def excerpt(anchor: Anchor) -> Excerpt:
 def _dedent(lines: list[str]) -> str:
     indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
     return "\n".join(line[indent:] for line in lines)
+
+
+# the Block anatomy page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("anatomy_component", "Block anatomy: the card shown", kept=True),
+    Key("anatomy_prev", "Block anatomy: the previous card button"),
+    Key("anatomy_next", "Block anatomy: the next card button"),
+    Key("anatomy_", "Block anatomy: a card's own widgets (the card id)", family=True),
+)

@@ -19,6 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.offline
 
+from app.core.keys import Key
 from tracing.tables import BUILDERS, to_csv_bytes
 
 OCTETS, ZIP = "application/octet-stream", "application/zip"  # the MIME types of a trace file and a ZIP of tables
@@ -199,3 +200,13 @@ def readme(notes: list[str]) -> str:
         "tables/NAME.csv: the table (UTF-8).",
     ]
     return "\n".join([*lines, *(["", *notes] if notes else [])]) + "\n"
+
+
+# the Export page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("export_preview", "Export: the table previewed"),
+    Key("dl_trace", "Export: the trace file's download"),
+    Key("dl_zip", "Export: every table's download"),
+    Key("dl_csv_", "Export: a table's CSV download (the table)", family=True),
+    Key("dl_parquet_", "Export: a table's Parquet download (the table)", family=True),
+)

@@ -28,7 +28,7 @@ COLORS = {
     "marker": "#FF4B4B",
 }
 TICK_LIMIT = 40  # up to this many positions, axes show the tokens themselves
-# The figures' own look, drawn as they are (app.widgets.chart passes theme=None): Streamlit's theme
+# The figures' own look, drawn as they are (app.ui.widgets.chart passes theme=None): Streamlit's theme
 # would add 3.7 KB of template to each figure, merge more into it in the browser and turn on plotly's
 # automargin, which draws a figure twice when a margin must grow (topics.margins sizes them instead).
 # White, like a printed figure, so it reads the same in Streamlit's light and dark modes.

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.core.keys import Key
 from tracing.tables.grid import index_grid
 from tracing.trace import Trace
 
@@ -277,3 +278,10 @@ def key_distance_figure(frame: pd.DataFrame, block: int) -> go.Figure:
     ]
     title = f"Block {block}: how far back the indexer's picks reach at each step (positions)"
     return position_figure(frame, series, title, {"title": {"text": "query − key"}, "rangemode": "tozero"}, height=320)
+
+
+# the Generation page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("gen_step", "Generation: the step shown", kept=True),
+    Key("generation_steps_table", "Generation: every step as a table (the expander)"),
+)

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.core.keys import Key
 from model.config import ModelArgs
 from model.params import block_components, count_params
 from tracing.sites import INDEXER_MISSING
@@ -219,3 +220,7 @@ def params_figure(frame: pd.DataFrame) -> go.Figure:
         xaxis={"type": "log", "title": {"text": "parameters (log scale)"}},
         yaxis=reversed_axis(),
     )
+
+
+# the Model map page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (Key("map_block", "Model map: the block whose parameters are listed"),)

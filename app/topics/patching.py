@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.core.keys import LONGEST, Key, text
+
 from .figures import DIVERGING, figure, heat_height, heatmap, positions
 
 TITLES = {
@@ -54,3 +56,19 @@ def patching_figure(z: np.ndarray, index: np.ndarray, blocks: list[int], labels:
         xaxis=positions(labels, "position"),
         yaxis={"autorange": "reversed", "type": "category"},
     )
+
+
+# the Patching page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("patch_clean", "Patching: the clean prompt", kept=True, link=text(LONGEST)),
+    Key("patch_corrupt", "Patching: the corrupt prompt", kept=True, link=text(LONGEST)),
+    Key("patch_sites", "Patching: the sites swept", kept=True),
+    Key("patch_positions", "Patching: the positions swept (all, last, A:B)", kept=True),
+    Key("patch_target", "Patching: the target token (text or id; empty: the clean top)", kept=True),
+    Key("patch_contrast", "Patching: the contrast token (text or id; empty: the corrupt top)", kept=True),
+    Key("patch_run", "Patching: the Run button"),
+    Key("patch_result", "Patching: the last sweep, {asked, table, summary}"),
+    Key("patch_csv", "Patching: the table's CSV download"),
+    Key("patch_cell", "Patching: the cell whose patched run is compared with the corrupt run"),
+    Key("patch_fig_", "Patching: a site's heat map (the site)", family=True),
+)

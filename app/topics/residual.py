@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from app.core.keys import Key
 from tracing.trace import Trace
 
 from .arrays import site
@@ -202,3 +203,10 @@ def update_sizes_figure(g: ResidualGrids) -> go.Figure:
         barmode="group",
         yaxis={"title": {"text": "L2 norm"}},
     )
+
+
+# the Residual page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("resid_skip_first", "Residual: the stream norm with position 0 left out", kept=True),
+    Key("resid_updates_skip_first", "Residual: the block's update sizes with position 0 left out", kept=True),
+)

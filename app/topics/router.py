@@ -11,6 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from app.core.keys import Key
 from model.moe import RouterRule, select_experts
 from tracing.tables.grid import index_grid
 from tracing.trace import Trace
@@ -318,3 +319,11 @@ def marked_tokens(tokens: list[str], marked: np.ndarray, weight: np.ndarray) -> 
         else:
             parts.append(f'<span data-position="{i}" title="position {i}" style="color:#888">{text}</span>')
     return f'<div style="white-space:pre-wrap;line-height:1.9;font-size:1.05rem">{"".join(parts)}</div>'
+
+
+# the Router page's session keys (app.core.session assembles every page's into its schema)
+KEYS: tuple[Key, ...] = (
+    Key("router_biased", "Router: scores with the correction bias", kept=True),
+    Key("router_atlas_expert_", "Router: the atlas expert whose tokens in the prompt are marked (per block)", family=True),
+    Key("router_skip_first", "Router: the routed and shared outputs with position 0 left out", kept=True),
+)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.topics import cards
+from app.ui import card_view, widgets
 
 ALL = "all"
 SHORT = {

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from app import widgets
 from app.core import paths, settings
 from app.topics import atlas as topic
+from app.ui import widgets
 from tracing.atlas import Atlas, AtlasError
 from tracing.errors import InputError
 
@@ -33,17 +33,11 @@ def _open_zip(digest: str, data: bytes, name: str, limit: int) -> Atlas:
     return topic.open_zip(data, name, limit)
 
 
-def _stamp(path: str) -> tuple:
-    folder = Path(path)
-    files = sorted(folder.glob("*.parquet")) + [folder / "summary.json"]
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-
-
 def _open_typed(value: str) -> Atlas:
     """The atlas directory a visitor typed, confined as every path field is (app.core.paths)."""
     with paths.refused_alike(ATLAS, value, (AtlasError, OSError, ValueError)):
         folder = paths.confine(Path(value).expanduser(), ATLAS, SUMMARY)
-        return _open_dir(str(folder), _stamp(str(folder)))
+        return _open_dir(str(folder), topic.stamp(str(folder)))
 
 
 def _open() -> Atlas | None:
@@ -56,7 +50,7 @@ def _open() -> Atlas | None:
                 if not (topic.BUNDLED / "summary.json").is_file():
                     st.error("The bundled demo atlas is missing (assets/demo_atlas): build it with the command in docs/atlas.md.")
                     return None
-                return _open_dir(str(topic.BUNDLED), _stamp(str(topic.BUNDLED)))
+                return _open_dir(str(topic.BUNDLED), topic.stamp(str(topic.BUNDLED)))
             if source == "dir":
                 path = st.text_input(
                     "Atlas directory",
@@ -145,7 +139,7 @@ def session_atlas() -> Atlas | None:
     atlas = st.session_state.get(OPENED)
     if atlas is None and (topic.BUNDLED / SUMMARY).is_file():
         try:
-            atlas = _open_dir(str(topic.BUNDLED), _stamp(str(topic.BUNDLED)))
+            atlas = _open_dir(str(topic.BUNDLED), topic.stamp(str(topic.BUNDLED)))
         except (AtlasError, OSError):
             return None
     return atlas

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.session import View
 from app.topics import attention, card_plots, tokens
+from app.ui import card_view, widgets
 
 SCORES = "layers.{i}.attn.indexer.scores"
 

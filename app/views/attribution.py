@@ -12,28 +12,28 @@ import html
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.core.session import View, session_model
-from app.core.traces import Entry, TraceKey, token_of, trace_prompt
-from app.pages import PAGES
+from app.core.traces import Entry, TraceKey
 from app.topics import attribution as topic
-from app.topics import interventions
+from app.topics import attribution_runs as runs
+from app.topics.attribution_runs import NONE
 from app.topics.tokens import labels
+from app.ui import card_view, causal, widgets
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.causal import causal_check
-from tracing.runner import TraceRequest
 
 FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)
-PICKED_FOR = "attr_picked_for"  # the plain trace's key the pickers were set for
-NONE = -1  # the contrast picker's "none" (a selectbox shows None as no choice at all)
 TARGET_HELP = "The position's ten most likely next tokens, the most likely first."
 CONTRAST_HELP = "Attribute the target's logit minus this token's: what makes the model prefer one over the other."
 ANY_HELP = "Any token of the vocabulary, by its text (a leading space is part of it: ' Wentworth') or its id."
-INTERVENTIONS = next(p for p in PAGES if p.name == "interventions")
 
 
+NEEDS = (
+    "The attribution runs the model again: choose **Bundled demo** or a **Checkpoint directory** in the sidebar. "
+    "A trace file shows its attribution when it was made with one: "
+    "`python -m tracing run ... --attribute [--position P] [--target TOKEN] [--record default,flow]`."
+)
 INTRO = (
     "Which blocks, heads, experts and earlier tokens made a prediction: with the final norm's scale frozen, the logit "
     "is a sum of one number per part (docs/attribution.md). Keys the indexer dropped bring nothing."
@@ -48,81 +48,46 @@ def page() -> None:
         st.caption(":material/info: This trace holds an attribution: shown as it was recorded.")
         show(View(view.entry, view.block))
         return
-    om = session_model()
     key = view.entry.key
-    if om is None or not key.on(om):
-        no_model()
+    om = widgets.page_model(NEEDS, NEEDS, shown=key)  # a trace file: the same words
+    if om is None:
         return
     request = pickers(view.entry, key.plain)
     flow = st.session_state.get(FLOW_FOR) == key.plain
     entry = attributed(om, key.plain, request, flow)
     if entry is not None:
         show(View(entry, view.block))
-        causal_view(om, key.plain, View(entry, view.block))
-
-
-def no_model() -> None:
-    st.info(
-        "The attribution runs the model again: choose **Bundled demo** or a **Checkpoint directory** in the sidebar. "
-        "A trace file shows its attribution when it was made with one: "
-        "`python -m tracing run ... --attribute [--position P] [--target TOKEN] [--record default,flow]`.",
-        icon=":material/info:",
-    )
+        causal.causal_view(om, key.plain, View(entry, view.block))
 
 
 def pickers(base: Entry, plain: TraceKey) -> AttributionRequest:
     """Position (default: the last), target (default: the top prediction there) and an optional contrast."""
     trace = base.trace
     n = trace.n_tokens
-    # a new trace resets the pickers; a session's first (a link's position and target) keeps them where they fit
-    if st.session_state.get(PICKED_FOR) not in (None, plain) or st.session_state.get("attr_position") not in range(n):
-        st.session_state["attr_position"] = n - 1
-        st.session_state["attr_target"] = st.session_state["attr_contrast"] = None  # the top prediction, no contrast
-    st.session_state[PICKED_FOR] = plain
+    runs.fit_pickers(st.session_state, plain, n)
     names = labels(base)
     left, middle, right = st.columns(3)
     position = left.selectbox("Position", range(n), key="attr_position", format_func=lambda t: names[t])
     options = topic.candidates(trace, position)
     if not options:  # a trace without next.topk_*: the top prediction, whichever it is
         return AttributionRequest(position)
-    target = pick(middle, "Target", options, "attr_target", lambda i: topic.token_name(trace, i), TARGET_HELP)
+    target = widgets.pick(middle, "Target", options, "attr_target", lambda i: topic.token_name(trace, i), TARGET_HELP)
     others = [NONE, *(i for i in options if i != target)]
     name = lambda i: "none" if i == NONE else f"minus {topic.token_name(trace, i)}"  # noqa: E731
-    contrast = pick(right, "Contrast", others, "attr_contrast", name, CONTRAST_HELP)
+    contrast = widgets.pick(right, "Contrast", others, "attr_contrast", name, CONTRAST_HELP)
     typed = middle.text_input("…or any token", key="attr_target_text", placeholder="text or id", help=ANY_HELP)
     typed_contrast = right.text_input("…or any token", key="attr_contrast_text", placeholder="text or id", help=ANY_HELP)
-    om = session_model()
     try:
-        if typed.strip() and om is not None:
-            target = token_of(om, "Target", typed)
-        if typed_contrast.strip() and om is not None:
-            contrast = token_of(om, "Contrast", typed_contrast)
+        return runs.request_of(session_model(), position, target, contrast, typed, typed_contrast)
     except BAD_INPUT as exc:
         st.error(f"**Not attributed.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         st.stop()
-    return AttributionRequest(position, target, None if contrast == NONE else contrast)
-
-
-def pick(where, label: str, options: list[int], key: str, name, help: str) -> int:
-    """A selectbox that keeps its choice while the choice is among the options, else takes the first."""
-    if st.session_state.get(key) not in options:
-        st.session_state[key] = options[0]
-    return where.selectbox(label, options, key=key, format_func=name, help=help)
 
 
 def attributed(om: AppModel, plain: TraceKey, request: AttributionRequest, flow: bool) -> Entry | None:
-    record = ("default", "flow") if flow else ("default",)
     try:
         with st.spinner("Attributing…"):
-            return trace_prompt(
-                om,
-                plain.prompt,
-                variant=topic.variant(request, flow),
-                attribution=request,
-                record=record,
-                generation=plain.generation,
-                chat=plain.chat,
-            )
+            return runs.attributed(om, plain, request, flow)
     except BAD_INPUT as exc:
         st.error(f"**Not attributed.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None
@@ -132,15 +97,12 @@ def show(view: View) -> None:
     trace = view.trace
     info = topic.attributed(trace)
     position = info["position"]
-    what = f"the logit of {topic.token_name(trace, info['target'])!r}"
-    if info["contrast"] is not None:
-        what += f" minus that of {topic.token_name(trace, info['contrast'])!r}"
+    what = topic.what(trace)
     coarse = view.memo("attr_coarse", lambda: topic.coarse_parts(trace))
-    magnitude = float(coarse.loc[coarse["kind"] != "rest", "value"].abs().sum())
-    rest = f"{info['rest']:+.5f}, {abs(info['rest']) / max(magnitude, 1e-30):.3%} of the parts' total size"
+    rest = f"{info['rest']:+.5f}, {topic.rest_share(coarse, info['rest']):.3%} of the parts' total size"
     st.markdown(f"At position **{position}**, {widgets.escape_md(what)} is **{info['total']:+.4f}**; the rest is {rest}.")
     grid = view.memo("attr_grid", lambda: topic.block_grid(trace))
-    side_by_side(
+    widgets.side_by_side(
         view,
         ("attr_waterfall", lambda: topic.waterfall_figure(coarse, info["total"], html.escape(what))),
         ("attr_grid", lambda: topic.grid_figure(*grid)),
@@ -169,24 +131,13 @@ def dropped_view(view: View) -> None:
     widgets.memo_chart(view, "attr_dropped_chart", lambda: topic.dropped_figure(frame))
 
 
-def side_by_side(view: View, *charts: tuple) -> None:
-    """Figures in columns, each ``(key, build, *args)`` built once per trace (widgets.memo_chart)."""
-    for column, (key, build, *args) in zip(st.columns(len(charts), gap="large"), charts, strict=True):
-        with column:
-            widgets.memo_chart(view, key, build, *args)
-
-
 def chosen_block(view: View) -> int:
     """The block whose parts are shown: it opens on the block of the largest head or expert part
     (where the answer is), for each attributed trace; then the reader's choice."""
-    n = view.config.n_layers
-    if st.session_state.get("attr_block_for") != view.entry.key or st.session_state.get("attr_block") not in range(n):
-        st.session_state["attr_block_for"] = view.entry.key
-        strongest = interventions.strongest_block(view.trace)
-        st.session_state["attr_block"] = strongest if strongest is not None else min(view.block, n - 1)
+    runs.fit_block(st.session_state, view.entry, view.block)
     return st.selectbox(
         "Block",
-        range(n),
+        range(view.config.n_layers),
         key="attr_block",
         format_func=lambda b: f"block {b}",
         help="Opens on the block of the largest head or expert part.",
@@ -200,82 +151,16 @@ def block_view(view: View) -> None:
     if parts is None:
         widgets.missing("No parts", ["layers.{i}.attn.attribution"], block)
         return
-    side_by_side(
+    widgets.side_by_side(
         view,
         ("attr_heads", lambda: topic.heads_figure(parts, block), block),
         ("attr_ffn", lambda: topic.ffn_figure(parts, block), block),
     )
-    removals(view, block)
+    causal.removals(view, block)
     lens = parts.ffn[parts.ffn["promotes"] != ""]
     if not lens.empty:
         st.caption("Each chosen expert's weighted output through the frozen final norm and the head (the logit lens):")
         widgets.table(st, lens.drop(columns="expert"), f"block {block} expert lens")
-
-
-def removals(view: View, block: int) -> None:
-    """The causal check one click away: the block's head and expert with the largest |part|, the larger
-    first, removed at the attributed position only on the Interventions page (a head ablated, an
-    expert's output zeroed with its routing kept)."""
-    candidates = view.memo(("attr_strongest", block), lambda: interventions.strongest(view.trace, block))
-    candidates = sorted(candidates, key=lambda c: -abs(c[2]))
-    position = topic.attributed(view.trace)["position"]
-    for column, (key, index, value) in zip(st.columns(max(len(candidates), 1)), candidates, strict=False):
-        verb, what = ("Ablate", "head") if key == "ablate_heads" else ("Zero", "expert")
-        label = f"{verb} {what} {block}:{index} at position {position} (part {value:+.3f}) on the Interventions page"
-        tip = (
-            "Removed at the attributed position only, like with like; the Interventions page compares the runs after the "
-            "last position (the baseline's top token's logit). The causal check below measures the attributed logit."
-        )
-        if column.button(label, key=f"attr_remove_{key}", icon=INTERVENTIONS.icon, help=tip):
-            interventions.ask_to_remove(st.session_state, key, block, index, position)
-            st.switch_page(str(INTERVENTIONS.file))
-
-
-def causal_view(om: AppModel, plain: TraceKey, view: View) -> None:
-    """The causal check of the attribution: each of the N largest heads and experts removed at the
-    attributed position only, the attributed logit measured again (tracing.analyses.causal)."""
-    st.subheader("Causal check", anchor=False)
-    st.caption(
-        "Each of the largest heads and routed experts removed at the attributed position only (a head ablated, an "
-        "expert's output zeroed with its routing kept), and the same logit measured again: the effect is the plain "
-        "value less the value without the part. One run per part."
-    )
-    st.session_state.setdefault("attr_causal_n", 5)
-    left, right = st.columns([1, 3], vertical_alignment="bottom")
-    n = int(left.number_input("Parts", min_value=1, max_value=20, step=1, key="attr_causal_n"))
-    asked = (view.entry.key, n)
-    if right.button("Remove each and measure", key="attr_causal_run", icon=":material/science:"):
-        st.session_state["attr_causal_for"] = asked
-    if st.session_state.get("attr_causal_for") != asked:
-        return
-    info = topic.attributed(view.trace)
-    request = TraceRequest(
-        prompt=plain.prompt, attribute=True, position=info["position"], target=info["target"], contrast=info["contrast"]
-    )
-
-    def again(changed: TraceRequest):
-        attribution = AttributionRequest(changed.position, changed.target, changed.contrast)
-        entry = trace_prompt(
-            om,
-            plain.prompt,
-            variant=topic.variant(attribution, False),
-            attribution=attribution,
-            interventions=changed.interventions,
-            generation=plain.generation,
-            chat=plain.chat,
-        )
-        return entry.trace
-
-    try:
-        with st.spinner(f"Removing {n} parts, one run each…"):
-            table = view.memo(("attr_causal", n), lambda: causal_check(again, request, n, view.trace))
-    except BAD_INPUT as exc:
-        st.error(f"**Not checked.** {widgets.escape_md(str(exc))}", icon=":material/error:")
-        return
-    r = table.attrs["correlation"]
-    st.markdown(f"Correlation of the attributed values and the measured effects: **{r:+.3f}** over {len(table)} parts.")
-    widgets.table(st, table, "causal check")
-    widgets.csv_button(st, table, "causal.csv", "attr_causal_csv")
 
 
 def prompt_view(view: View, position: int) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import widgets
 from app.topics import export
 from app.topics.export import OCTETS, ZIP
+from app.ui import widgets
 
 
 def page() -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.markup import code_md, escape_md
 from app.core.session import View
 from app.topics import card_plots, generation, predictions, tokens
+from app.ui import card_view, widgets
 
 
 def page() -> None:

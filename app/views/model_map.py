@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.session import View
 from app.topics import card_plots, cards, model_map
+from app.ui import card_view, widgets
 from tracing.sites import INDEXER_MISSING
 
 

@@ -8,38 +8,28 @@ traces); the session keeps the table and summary of its last sweep."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import streamlit as st
 
-from app import comparison, widgets
 from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
-from app.core.session import current, session_model
-from app.core.traces import request_for, token_limit, token_of, trace_prompt
 from app.topics import patching as topic
-from tracing.analyses.patching import SITES, Cell, patch_of, record_for, sweep
-from tracing.errors import InputError
+from app.topics import patching_runs as runs
+from app.ui import comparison, widgets
+from tracing.analyses.patching import SITES, Cell
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
-MAX_RUNS = 3000  # one forward each: a sweep larger than this is refused before it starts
 
 
 def page() -> None:
-    widgets.page_header(
+    om = widgets.model_page(
         "Patching",
         "Which activations carry the answer: run a corrupt prompt, put back one value of the clean run (a block's "
         "stream, its attention or FFN update, one head, one expert) at one position, and see how much of the clean "
         "logit difference returns. 1 restores the clean answer, 0 changes nothing. One forward per cell.",
-        current(),
+        "Patching runs the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory). "
+        "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`.",
     )
-    om = session_model()
     if om is None:
-        st.info(
-            "Patching runs the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory). "
-            "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`.",
-            icon=":material/arrow_back:",
-        )
         return
     asked = controls(om)
     if st.button("Run the sweep", type="primary", key="patch_run", icon=":material/play_arrow:"):
@@ -76,20 +66,7 @@ def run_sweep(om: AppModel, asked: tuple) -> None:
         bar.progress(i / n, text=f"Cell {i + 1} of {n}…")
 
     try:
-        if not sites:
-            raise InputError("choose at least one site to patch")
-        requests = [request_for(om, prompt) for prompt in (clean, corrupt)]
-        result = sweep(
-            lambda request: om.trace(request, None, max_tokens=token_limit(om)),
-            *requests,
-            target=target.strip() or None,  # text or id, as token_of reads it
-            contrast=contrast.strip() or None,
-            sites=sites,
-            positions=positions,
-            max_runs=MAX_RUNS,
-            token_id=lambda flag, value: token_of(om, flag, value),
-            on_cell=on_cell,
-        )
+        result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
     except BAD_INPUT as exc:
         st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
@@ -144,14 +121,7 @@ def cell_view(om: AppModel, result: dict) -> None:
     try:
         with st.spinner("Running the patched cell…"):
             cell = Cell(row.site, int(row.block), int(row.position), int(row["index"]))
-            record = record_for(om.args, [cell.site])
-            requests = [dataclasses.replace(request_for(om, p), record=record) for p in (clean, corrupt)]
-            runs = [om.trace(r, None, token_limit(om)) for r in requests]
-            site, value = patch_of(cell, *runs)
-            base = trace_prompt(om, corrupt)
-            patched = trace_prompt(
-                om, corrupt, patches={site: value}, patch_positions=str(cell.position), variant=("patched", name(picked))
-            )
+            base, patched = runs.patched_cell(om, clean, corrupt, cell, name(picked))
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return

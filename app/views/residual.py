@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.session import View
 from app.topics import card_plots, predictions, residual, tokens
 from app.topics.figures import TICK_LIMIT
+from app.ui import card_view, widgets
 
 STREAM_SITES = ["layers.{i}.resid_pre", "layers.{i}.resid_mid", "layers.{i}.resid_post"]
 

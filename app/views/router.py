@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import card_view, widgets
 from app.core.session import View
 from app.topics import atlas as atlas_topic
 from app.topics import card_plots, experts, router, tokens
+from app.ui import card_view, widgets
 from app.views import atlas as atlas_page
 from tracing.tables.frames import NEAR_TIE
 

@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import save as save_tensors
 from streamlit.testing.v1 import AppTest
 
-from app import pages
-from app.core import models, settings
+from app.core import models, pages, settings
 from app.core.session import View
 from app.core.traces import Entry, store
 from app.topics import cards, model_map
@@ -73,7 +72,7 @@ def test_first_load_traces_the_default_prompt(app):
 def test_the_first_element_fetches_the_plotting_code(app):
     """main.py sends, before it loads torch, a script asking the browser for Streamlit's plotly chart
     module; the file it names is in the installed Streamlit, so the chart finds it loaded."""
-    from app import prefetch
+    from app.ui import prefetch
 
     name = prefetch.plotly_chunk()
     assert name is not None and (prefetch.CHUNKS / name).is_file(), "this Streamlit has no PlotlyChart module"

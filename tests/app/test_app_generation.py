@@ -10,8 +10,7 @@ from dataclasses import replace
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app import pages
-from app.core import settings
+from app.core import pages, settings
 from app.core.models import open_model
 from app.core.traces import describe_interventions, encode, store
 from tests.app.test_app import APP, TIMEOUT, messages, open_cards, open_tab, shown_entry

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app import pages
+from app.core import pages
 from tests.app.apptest import messages, raised_nothing, start
 from tests.devcheckpoint import make_dev_checkpoint
 from tracing.sites import INDEXER_MISSING

@@ -15,9 +15,10 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
 
-from app import pages, widgets
+from app.core import pages
 from app.topics import export
 from app.topics.export import page_zip_bytes, slug
+from app.ui import widgets
 from tests.app.apptest import raised_nothing, start
 from tests.chromium import CHROMIUM
 

@@ -20,7 +20,7 @@ import pytest
 from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 
-from app import pages
+from app.core import pages
 from app.core.markup import JOINER
 from app.core.traces import store
 from app.topics import atlas as atlas_topic
@@ -305,7 +305,7 @@ def test_streamlit_config_hides_error_details_and_bounds_uploads(monkeypatch):
 def _script_with_a_bug():
     import streamlit as st
 
-    from app import widgets
+    from app.ui import widgets
 
     def broken() -> None:
         st.markdown("before the bug")

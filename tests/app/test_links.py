@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app.core import links, settings
+from app.core import keys, links, settings
 from tests.app.apptest import APP, TIMEOUT, messages, raised_nothing, start
 from tests.app.test_app_interventions import chart_titles
 
@@ -77,6 +77,6 @@ def test_a_link_value_that_does_not_read_is_dropped_and_named(app_checkpoint, mo
 
 def test_a_prompt_longer_than_the_field_takes_is_dropped():
     state: dict = {}
-    assert links.restore(state, {"prompt": "x" * (links.LONGEST + 1), "block": "3"}) == ["prompt"]
+    assert links.restore(state, {"prompt": "x" * (keys.LONGEST + 1), "block": "3"}) == ["prompt"]
     assert state["block"] == 3 and "prompt" not in state
     assert links.restore(state, {"block": "4"}) == [] and state["block"] == 3  # read once per session

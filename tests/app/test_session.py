@@ -1,6 +1,7 @@
-"""The session's keys are declared in one schema (app.core.session.SCHEMA): every key the app's code
-names is in it, and every key in it is used."""
+"""The session's keys are declared in one schema (app.core.session.SCHEMA, assembled from each page's
+KEYS): every key the app's code names is in it, and every key in it is used outside its declaration."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -8,9 +9,10 @@ from app.core.session import CARDED_PAGES, FAMILIES, SCHEMA, TABBED_PAGES, decla
 from app.topics.interventions import ARRIVING, PER_BLOCK
 
 APP = Path(__file__).resolve().parents[2] / "app"
-# a key as the code names it: session_state[...] / .get(...) / .pop(...) / .setdefault(...), a widget's key=,
-# or a constant the views keep; f-strings give their literal start (a family's prefix)
-USES = re.compile(r"""(?:session_state(?:\[|\.get\(|\.pop\(|\.setdefault\()|\bkey=|^[A-Z_]+ = )\s*(f?)"([^"{]*)""", re.M)
+# a key as the code names it: session_state[...] / .get(...) / .pop(...) / .setdefault(...) (or a topic's
+# state, the session's values as a plain mapping), a widget's key=, or a constant the views keep; f-strings
+# give their literal start (a family's prefix)
+USES = re.compile(r"""(?:\b(?:session_)?state(?:\[|\.get\(|\.pop\(|\.setdefault\()|\bkey=|^[A-Z_]+ = )\s*(f?)"([^"{]*)""", re.M)
 
 
 def named_keys() -> dict[str, bool]:
@@ -27,6 +29,19 @@ def named_keys() -> dict[str, bool]:
     return found
 
 
+def code_without_declarations() -> str:
+    """The app's code less its Key(...) declarations: where a key is used."""
+    kept = []
+    for path in APP.rglob("*.py"):
+        source = path.read_text()
+        declared_at = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Key":
+                declared_at.update(range(node.lineno, node.end_lineno + 1))
+        kept += [line for i, line in enumerate(source.splitlines(), 1) if i not in declared_at]
+    return "\n".join(kept)
+
+
 def test_every_key_the_app_names_is_declared():
     for name, prefix in named_keys().items():
         if prefix:
@@ -38,7 +53,7 @@ def test_every_key_the_app_names_is_declared():
 def test_every_declared_key_is_used():
     names = named_keys()
     used = set(names) | {f"{page}_tab" for page in TABBED_PAGES} | {f"{page}_cards" for page in CARDED_PAGES}
-    text = "\n".join(path.read_text() for path in APP.rglob("*.py"))
+    text = code_without_declarations()
     for key in SCHEMA:
         assert key.name in used or f'"{key.name}' in text, f"{key.name!r} is declared but never used"
 
@@ -48,8 +63,7 @@ def test_every_key_a_visit_of_every_page_leaves_is_declared(app_checkpoint, monk
     declared."""
     from streamlit.testing.v1 import AppTest
 
-    from app import pages
-    from app.core import settings
+    from app.core import pages, settings
     from tests.app.test_app import APP, TIMEOUT
 
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)

@@ -15,9 +15,11 @@ import streamlit as st
 from tracing.sites import INDEXER_MISSING
 from tracing.tables import to_csv_bytes
 
-from .core.markup import escape_md
-from .core.session import View, current, origin
-from .topics.export import PNG_SCALE, ZIP, images_unavailable, page_zip_bytes, slug
+from ..core.markup import escape_md
+from ..core.models import AppModel
+from ..core.session import View, current, origin, session_model
+from ..core.traces import TraceKey
+from ..topics.export import PNG_SCALE, ZIP, images_unavailable, page_zip_bytes, slug
 
 CHART_CONFIG = {"displaylogo": False, "toImageButtonOptions": {"format": "png", "scale": 2}}
 DRAWN = "page_drawn"  # session key: the page whose figures and tables were drawn, and them
@@ -192,6 +194,25 @@ def page_view(title: str, intro: str) -> View | None:
     return view
 
 
+def model_page(title: str, intro: str, needs: str, upload: str | None = None) -> AppModel | None:
+    """The top of a page that runs the model again: its header and the session's model, or None after
+    saying so (:func:`page_model`)."""
+    page_header(title, intro, current())
+    return page_model(needs, upload)
+
+
+def page_model(needs: str, upload: str | None = None, shown: TraceKey | None = None) -> AppModel | None:
+    """The session's model for a page that runs it again, or None after saying, in the page's words, how
+    to load one: ``needs``, or ``upload`` while a trace file is the source. Also None when the trace
+    ``shown`` was not made on that model."""
+    om = session_model()
+    if om is not None and (shown is None or shown.on(om)):
+        return om
+    from_file = upload is not None and st.session_state.get("source") == "upload"
+    st.info(upload if from_file else needs, icon=":material/info:" if from_file else ":material/arrow_back:")
+    return None
+
+
 def no_trace() -> None:
     st.info(
         "Nothing traced yet. Choose a model source in the sidebar (the bundled demo, a checkpoint directory, "
@@ -210,3 +231,17 @@ def no_indexer(where=st) -> None:
 def missing(what: str, sites: tuple[str, ...] | list[str], block: int | None = None) -> None:
     names = ", ".join(f"`{s.replace('{i}', '*' if block is None else str(block))}`" for s in sites)
     st.caption(f":material/visibility_off: {what}: this trace did not record {names}.")
+
+
+def pick(where, label: str, options: list[int], key: str, name, help: str) -> int:
+    """A selectbox that keeps its choice while the choice is among the options, else takes the first."""
+    if st.session_state.get(key) not in options:
+        st.session_state[key] = options[0]
+    return where.selectbox(label, options, key=key, format_func=name, help=help)
+
+
+def side_by_side(view: View, *charts: tuple) -> None:
+    """Figures in columns, each ``(key, build, *args)`` built once per trace (memo_chart)."""
+    for column, (key, build, *args) in zip(st.columns(len(charts), gap="large"), charts, strict=True):
+        with column:
+            memo_chart(view, key, build, *args)

@@ -9,11 +9,11 @@ import streamlit as st
 
 from tracing.sites import is_indexer_site
 
-from .core.session import View
-from .pages import PAGES
-from .topics import card_plots, cards
-from .topics.attention import recorded_heads
-from .topics.attribution import CARD_PARTS
+from ..core.pages import PAGES
+from ..core.session import View
+from ..topics import card_plots, cards
+from ..topics.attention import recorded_heads
+from ..topics.attribution import CARD_PARTS
 from .widgets import fragment, lazy_expander, lazy_tabs, memo_chart, missing, no_indexer, page_view
 
 ATTRIBUTION = next(p for p in PAGES if p.name == "attribution")

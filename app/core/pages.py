@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-VIEWS = Path(__file__).resolve().parent / "views"
+VIEWS = Path(__file__).resolve().parents[1] / "views"
 
 
 class Page(NamedTuple):

@@ -1,6 +1,7 @@
 """Two runs of one prompt compared, for the interventions page: what changed (summary metrics),
 both runs' next tokens, where the residual stream moved, per-block changes, expert load, the logit
-lens, and the diff tables (tracing.analyses.diff) with their downloads."""
+lens, and the diff tables (tracing.analyses.diff) with their downloads; and one prompt on two
+checkpoints, block by block (show_pair)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ from typing import Any
 
 import streamlit as st
 
-from app import widgets
 from app.core.session import origin
 from app.core.traces import Entry, describe_interventions
-from app.topics import experts, generation, interventions, predictions, router, tokens
+from app.topics import experts, generation, intervention_runs, interventions, predictions, router, tokens
 from app.topics.export import OCTETS, ZIP, zip_bytes
 from app.topics.interventions import TABLES, changed_rows
-from tracing.analyses.diff import diff_tables, summary
+from app.ui import widgets
 from tracing.analyses.interventions import from_spec
 from tracing.errors import InputError
 
@@ -30,11 +30,10 @@ def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
     if not texts_part(base, iv):
         return
     try:
-        tables = iv.memo(("diff", base.key), lambda: diff_tables(a, b))
+        tables, info = intervention_runs.diff(base, iv)
     except InputError as exc:
         st.error(f"**Not compared.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
-    info = iv.memo(("diff_summary", base.key), lambda: summary(a, b, tables))
     st.subheader("Baseline vs intervened", anchor=False)
     st.markdown(
         " ".join(f":red-badge[:material/science: {widgets.escape_md(d)}]" for d in describe_interventions(from_spec(spec)))
@@ -243,3 +242,47 @@ def diff_downloads(base: Entry, iv: Entry, tables: dict) -> None:
             if len(shown) > MAX_ROWS:
                 st.caption(f"The first {MAX_ROWS:,} of {len(shown):,} rows:")
             widgets.table(st, shown.head(MAX_ROWS), f"diff {name}")
+
+
+def show_pair(a: Entry, b: Entry, tables: dict, info: dict) -> None:
+    """The prompt on two checkpoints: what differs (summary metrics), per block, every diff table."""
+    names = (a.origin.split(" · ")[0], b.origin.split(" · ")[0])
+    st.subheader(f"{widgets.escape_md(names[0])} vs {widgets.escape_md(names[1])}", anchor=False)
+    st.caption(
+        f"The prompt alone ({a.trace.n_tokens} tokens, no generation), the same tokens on both; a is "
+        f"{widgets.escape_md(a.origin)}, b is {widgets.escape_md(b.origin)}."
+    )
+    cols = st.columns(4)
+    kl, agree, first = info.get("kl_mean"), info.get("top1_agreement"), info.get("first_block_changed")
+    cols[0].metric(
+        "Next-token KL, mean",
+        "—" if kl is None else f"{kl:.4g} nats",
+        help="KL(p_a ‖ p_b) of the next-token distributions, mean over positions",
+    )
+    cols[1].metric(
+        "Top-1 agreement", "—" if agree is None else f"{agree:.0%}", help="Positions where both predict the same token"
+    )
+    cols[2].metric("First block that differs", "none" if first is None else f"block {first}")
+    if tables.get("next_token") is not None:
+        next_token_metric(cols[3], info, tables)
+    blocks = tables.get("blocks")
+    if blocks is not None:
+        fig = b.memo(("figure", "checkpoint_blocks", a.key), lambda: interventions.checkpoint_blocks_figure(blocks, names))
+        widgets.chart(fig, "iv_other_blocks")
+    stem = f"checkpoint-diff-{a.key.fingerprint()}-{b.key.fingerprint()}"
+    widgets.download(
+        st,
+        "All diff tables (CSV, zip)",
+        lambda: zip_bytes(tables),
+        f"{stem}-tables.zip",
+        ZIP,
+        "iv_other_zip",
+        ":material/folder_zip:",
+    )
+    names_shown = [name for name in ("blocks", *(n for n in TABLES if n != "blocks")) if name in tables]  # per block first
+    for tab, name in zip(st.tabs([TABLES[n][0] for n in names_shown]), names_shown, strict=True):
+        with tab:
+            head, button = st.columns([5, 1], vertical_alignment="center")
+            head.caption(f"{TABLES[name][1]} {len(tables[name]):,} rows; the CSV holds them all.")
+            widgets.csv_button(button, tables[name], f"{stem}-{name}.csv", f"iv_other_csv_{name}")
+            st.dataframe(tables[name].head(MAX_ROWS), hide_index=True, width="stretch")
