@@ -25,7 +25,7 @@ from app.topics import experts, interventions
 from app.topics.export import ZIP, zip_bytes
 from app.topics.interventions import ABLATE, ARRIVING, HEADS, PER_BLOCK, TABLES, ZERO, PerBlock, listing, moe_block_ids
 from tracing.analyses.diff import check_shapes, check_tokenizers, diff_tables, summary
-from tracing.analyses.interventions import from_spec
+from tracing.analyses.intervention_specs import from_spec
 
 ATTENTION = ("model", "dense", "topk")
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.interventions import from_spec
+from tracing.analyses.intervention_specs import from_spec
 from tracing.cli.commands import build_parser, request_from_args
 from tracing.errors import InputError
 from tracing.runner import TraceRequest, run, trace_tokens

@@ -385,7 +385,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InputError(f"{path}: cannot read the text file ({exc})") from None
     if not text.strip():
         raise InputError(f"{path}: the text file is empty")
-    from ..analyses.interventions import from_spec
+    from ..analyses.intervention_specs import from_spec
 
     interventions = from_spec(intervention_spec(args))
     if any(getattr(i, "positions", None) is not None for i in interventions):
