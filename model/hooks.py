@@ -26,8 +26,12 @@ class HookPoint(nn.Module):
 
     @property
     def observed(self) -> bool:
-        """True while some hook is registered: values that exist only for the trace are computed."""
-        return bool(self._forward_hooks)
+        """True while a hook that fires in the calling thread is registered: values that exist only
+        for the trace are computed. One model serves several threads, so another thread's
+        :class:`Hooks` leave this thread's forward as it is (a hook registered without
+        :class:`Hooks` observes every thread's)."""
+        here = threading.get_ident()
+        return any(getattr(hook, "thread", here) == here for hook in self._forward_hooks.values())
 
     def extra_repr(self) -> str:
         return self.shape
@@ -54,6 +58,7 @@ class Hooks:
         def hook(m, inputs, output):
             return fn(m, inputs, output) if self.mine() else None
 
+        hook.thread = self.thread  # whose forward it observes (HookPoint.observed)
         self._handles.append(module.register_forward_hook(hook, prepend=prepend))
 
     def before(self, module: nn.Module, fn, *, prepend: bool = False, with_kwargs: bool = False) -> None:

@@ -28,15 +28,8 @@ from model.config import ModelArgs
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
-from .analyses.interventions import (
-    HookFunctions,
-    Intervention,
-    PassContext,
-    PatchAt,
-    check_positions,
-    from_spec,
-    parse_positions,
-)
+from .analyses.intervention_specs import check_positions, from_spec, parse_positions
+from .analyses.interventions import HookFunctions, Intervention, PassContext, PatchAt
 from .analyses.mtp import acceptance
 from .analyses.mtp import note as mtp_note
 from .chat import encode_chat
@@ -47,7 +40,7 @@ from .tokenizer import Tokenizer
 from .trace import Trace
 from .tracer import Tracer
 
-# what tracing.analyses.interventions.from_spec reads
+# what tracing.analyses.intervention_specs.from_spec reads
 INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention", "no_act_fp8", "at")
 
 
@@ -61,7 +54,7 @@ class TraceRequest:
     positions as one prefill, each later one through the decode path. ``generate`` new tokens,
     greedy or sampled (``temperature``, ``top_p``, ``seed``). ``attribute``: the direct logit
     attribution at ``position`` for ``target`` (minus ``contrast``): a token id, or a token's text.
-    ``interventions``: the spec tracing.analyses.interventions.from_spec reads (``ablate``,
+    ``interventions``: the spec tracing.analyses.intervention_specs.from_spec reads (``ablate``,
     ``zero_experts``, ``ablate_heads``: "LAYER:ID,..."; ``no_bias``: "all" or [blocks];
     ``attention``: "dense" or an index_topk; ``no_act_fp8``: true; the removals may name positions, ``"3:17@5"``, or
     ``at``: "A:B" for the ``{block: [ids]}`` forms). ``patches``: site name -> value (not part of the

@@ -20,7 +20,8 @@ import streamlit as st
 
 from model.config import ModelArgs
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.interventions import Intervention, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import Intervention
 from tracing.errors import InputError
 from tracing.runner import TraceRequest, check_token_ids
 from tracing.sampling import Sampling
@@ -334,7 +335,7 @@ def trace_prompt(
     ``variant`` names them in the store's key (a
     run with patches needs one), e.g. a digest of the intervention, so a baseline and its
     intervened twin are cached side by side. ``interventions`` (the spec
-    tracing.analyses.interventions.from_spec reads: ablations, no correction bias, another
+    tracing.analyses.intervention_specs.from_spec reads: ablations, no correction bias, another
     index_topk) are named in the key by :func:`describe_interventions` on their own.
     ``generation``: the tokens to write after the prompt, through the decode path, with the
     interventions applied at every step; named in the key too; ``chat`` frames the prompt as a chat

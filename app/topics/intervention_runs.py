@@ -1,5 +1,5 @@
 """The Interventions page's runs as plain functions over an AppModel: the page's picks (plain values of
-its session state) made into a spec (tracing.analyses.interventions.from_spec reads it), the baseline
+its session state) made into a spec (tracing.analyses.intervention_specs.from_spec reads it), the baseline
 and the intervened trace of one prompt, their diff; and the prompt on a second checkpoint of the same
 tokenizer, compared block by block. The page lays these out; nothing here draws."""
 
@@ -15,7 +15,8 @@ from app.core.models import AppModel, open_model
 from app.core.traces import Entry, TraceKey, request_for, store, trace_prompt
 from model.config import ModelArgs
 from tracing.analyses.diff import check_shapes, check_tokenizers, diff_tables, summary
-from tracing.analyses.interventions import Intervention, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import Intervention
 
 from .interventions import ARRIVING, PER_BLOCK, PerBlock, moe_block_ids
 

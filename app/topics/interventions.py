@@ -14,7 +14,8 @@ import plotly.graph_objects as go
 
 from model.config import ModelArgs
 from tracing.analyses.attribution import removable
-from tracing.analyses.interventions import AblateHeads, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import AblateHeads
 from tracing.errors import InputError
 from tracing.trace import Trace
 

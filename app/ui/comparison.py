@@ -15,7 +15,7 @@ from app.topics import experts, generation, intervention_runs, interventions, pr
 from app.topics.export import OCTETS, ZIP, zip_bytes
 from app.topics.interventions import TABLES, changed_rows
 from app.ui import widgets
-from tracing.analyses.interventions import from_spec
+from tracing.analyses.intervention_specs import from_spec
 from tracing.errors import InputError
 
 MAX_ROWS = 5_000  # rows of a diff table shown on the page (the CSV has them all)

@@ -5,7 +5,7 @@ keys changed, and how the predictions moved. Or run the prompt on another checkp
 tokenizer (V3.1-Terminus against V3.2-Exp) and compare the two models block by block.
 
 The session keeps only the widgets' values and the last run's spec (small dicts, read by
-tracing.analyses.interventions.from_spec); the baseline and the intervened trace live in the process-wide
+tracing.analyses.intervention_specs.from_spec); the baseline and the intervened trace live in the process-wide
 store (app.core.traces), the diff tables and figures in the intervened entry's memo.
 """
 

@@ -15,7 +15,7 @@ from app.core.models import open_model
 from app.core.traces import describe_interventions, encode, store
 from tests.app.test_app import APP, TIMEOUT, messages, open_cards, open_tab, shown_entry
 from tests.app.test_app_interventions import chart_titles
-from tracing.analyses.interventions import from_spec
+from tracing.analyses.intervention_specs import from_spec
 from tracing.runner import trace_tokens
 from tracing.sampling import Sampling
 from tracing.tables.frames import steps_table

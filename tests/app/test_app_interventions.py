@@ -17,7 +17,8 @@ from app.core.traces import Entry, describe_interventions, record_patterns, stor
 from app.topics import attribution
 from tests.app.apptest import messages, start
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.interventions import AblateExperts, AblateHeads, IndexTopK, NoGateBias, ZeroExperts, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import AblateExperts, AblateHeads, IndexTopK, NoGateBias, ZeroExperts
 from tracing.runner import trace_tokens
 
 PAGE = "views/interventions.py"

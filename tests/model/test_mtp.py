@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from model import TINY
 from model.checkpoint import CheckpointError, expected_specs, load_model, save_checkpoint
 from model.config import ModelArgs
+from model.hooks import Hooks
 from model.names import from_hf, to_hf
 from model.synthetic import SyntheticSource
 from tracing.analyses.mtp import NOTE_NONE, NOTE_SKIPPED, acceptance
@@ -165,6 +167,59 @@ def test_a_generation_drafts_from_the_token_just_chosen_and_counts_acceptance(mt
     for p in range(2, len(ids)):
         assert steps["mtp_draft_id"][p] == int(top[p - 2, 0])
         assert bool(steps["mtp_accepted"][p]) == (int(top[p - 2, 0]) == ids[p])
+
+
+def test_one_threads_hooks_leave_another_threads_forward(mtp_model):
+    """Two threads generate with one model at once (two app sessions), one observing the MTP
+    module's logits and one not: each computes what it computes alone, and the plain one never runs
+    the MTP module (its decode step would continue an MTP pass its prefill never ran)."""
+    model, steps = mtp_model, [IDS, [44], [7]]
+
+    def generate(observe: bool, pause=lambda: None) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Prefill and two decode steps (``pause`` between the first two): the logits, the drafts
+        observed, and how often the MTP module ran."""
+        logits, drafts, ran, cache = [], [], [], model.new_cache()
+        with Hooks() as hooks, torch.inference_mode():
+            hooks.before(model.mtp[0], lambda m, args: ran.append(1))  # on the module: observes no site
+            if observe:
+                hooks.after(model.mtp[0].logits, lambda m, args, out: drafts.append(out.clone()))
+            for k, tokens in enumerate(steps):
+                if k == 1:
+                    pause()
+                start = sum(len(t) for t in steps[:k])
+                logits.append(model(torch.tensor([tokens]), start_pos=start, cache=cache))
+        return logits, drafts, len(ran)
+
+    alone = {"observed": generate(True), "plain": generate(False)}
+    assert len(alone["observed"][1]) == alone["observed"][2] == len(steps) and alone["plain"][2] == 0
+
+    # the plain thread prefills; the observing one registers its hook and prefills; the plain one
+    # decodes while that hook is in place; then the observing one decodes
+    plain_prefilled, observer_prefilled, plain_done = threading.Event(), threading.Event(), threading.Event()
+    results, errors = {}, []
+
+    def observer() -> None:
+        try:
+            plain_prefilled.wait(30)
+            results["observed"] = generate(True, lambda: (observer_prefilled.set(), plain_done.wait(30)))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            observer_prefilled.set()
+
+    worker = threading.Thread(target=observer)
+    worker.start()
+    try:
+        results["plain"] = generate(False, lambda: (plain_prefilled.set(), observer_prefilled.wait(30)))
+    finally:
+        plain_done.set()
+        worker.join(60)
+    assert not errors, errors
+    for name, (logits, drafts, ran) in results.items():
+        want_logits, want_drafts, want_ran = alone[name]
+        assert ran == want_ran, name
+        assert all(torch.equal(g, w) for g, w in zip(logits, want_logits, strict=True)), name
+        assert all(torch.equal(g, w) for g, w in zip(drafts, want_drafts, strict=True)), name
+        assert len(drafts) == len(want_drafts), name
 
 
 def test_a_trace_with_drafts_reads_back(mtp_model, tmp_path):

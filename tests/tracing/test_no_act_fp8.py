@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from model import fp8, kernels
 from tests.app.apptest import messages, start
 from tests.tracing.serving import in_process, post
-from tracing.analyses.interventions import HookFunctions, NoActFP8, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import HookFunctions, NoActFP8
 from tracing.cli.commands import main
 from tracing.cli.loading import open_checkpoint
 from tracing.client import read_answer

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracing.analyses.interventions import IndexTopK, NoGateBias, check_patch, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import IndexTopK, NoGateBias, check_patch
 from tracing.cli.commands import main
 from tracing.errors import InputError
 from tracing.sampling import MIN_TEMPERATURE, Sampling, choose

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tracing.analyses.attribution import AttributionRequest
-from tracing.analyses.interventions import from_spec
-from tracing.cli.commands import build_parser, request_from_args
+from tracing.analyses.intervention_specs import from_spec
+from tracing.cli.commands import build_parser
+from tracing.cli.run import request_from_args
 from tracing.errors import InputError
 from tracing.runner import TraceRequest, run, trace_tokens
 from tracing.sampling import Sampling

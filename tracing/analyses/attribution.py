@@ -239,7 +239,7 @@ class Attributor:
 
 def removable(trace) -> list[tuple[float, str, int, int]]:
     """The parts of an attributed trace an intervention can remove alone, as (value, the
-    ``tracing.analyses.interventions.from_spec`` key that removes it, block, head or expert): each head
+    ``tracing.analyses.intervention_specs.from_spec`` key that removes it, block, head or expert): each head
     (``ablate_heads``) and each chosen routed expert (``zero_experts``). For the causal check:
     removing a part of value p moves the logit by -p when nothing downstream reacts."""
     out = [

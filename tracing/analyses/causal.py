@@ -2,7 +2,7 @@
 removed at the attributed position only, and the target logit (minus the contrast's) measured again.
 
 Like with like: the attribution splits one position's logit, so the part is removed there and
-nowhere else (tracing.analyses.interventions' ``@POSITION``); a head's probabilities are zeroed, an
+nowhere else (tracing.analyses.intervention_specs' ``@POSITION``); a head's probabilities are zeroed, an
 expert's weighted output is zeroed with routing kept. The measured ``effect`` (the plain total less
 the total without the part) holds the part's direct share plus what later blocks make of it; the
 attributed value is the direct share alone, so the two agree where a part acts mostly directly.

@@ -1,7 +1,7 @@
-"""Ready-made interventions: ablate experts, route without the correction bias, change the
-indexer's top-k (dense attention is top-k >= T), and your own hook functions. Each is a set of
-hook-point replacements, applied by the Tracer in the tracing thread only, so a shared model is
-never modified.
+"""Ready-made interventions and how they apply: ablate experts, route without the correction bias,
+change the indexer's top-k (dense attention is top-k >= T), and your own hook functions. Each is a
+set of hook-point replacements, applied by the Tracer in the tracing thread only, so a shared model
+is never modified; reading them from a request's plain values is tracing.analyses.intervention_specs.
 
 Patches (a site name -> a value) are the general form; these build their replacement from the
 value the model computed in the same forward pass. The removals (experts, heads) may act at chosen
@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -58,19 +57,6 @@ class PassContext:
 Replace = Callable[[torch.Tensor, PassContext], torch.Tensor | None]
 
 
-def parse_positions(flag: str, text: str) -> Positions:
-    """``P`` (one position), ``A:B`` (A..B-1), ``A:`` (A to the end) or ``:B``: ASCII digits only."""
-    first, sep, stop = text.strip().partition(":")
-    if not sep:
-        stop = str(int(first) + 1) if _is_number(first) else "?"
-    if not (_is_number(first) or (sep and not first)) or not (_is_number(stop) or (sep and not stop)):
-        raise InputError(f"{flag} @{text}: expected a position P or a range A:B (A:, :B), e.g. @5 or @5:9")
-    a, b = int(first or 0), (int(stop) if stop else None)
-    if b is not None and b <= a:
-        raise InputError(f"{flag} @{text}: the range {a}:{b} holds no position")
-    return a, b
-
-
 def describe_positions(positions: Positions | None) -> str:
     if positions is None:
         return ""
@@ -83,10 +69,6 @@ def _outside(rows: list[int], n: int, device) -> torch.Tensor:
     out = torch.ones(n, dtype=torch.bool, device=device)
     out[rows] = False
     return out
-
-
-def _is_number(text: str) -> bool:
-    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 @dataclass(frozen=True)
@@ -107,42 +89,6 @@ class Intervention:
 
     def describe(self) -> str:
         return type(self).__name__
-
-
-def _pairs(flag: str, what: str, text: str) -> dict[int, tuple[int, ...]]:
-    """``LAYER:ID,LAYER:ID,...`` as block -> sorted distinct ids (experts or heads)."""
-    (only,) = _placed_pairs(flag, what, text, placed=False).values()
-    return only
-
-
-def _placed_pairs(flag: str, what: str, text: str, placed: bool = True) -> dict[Positions | None, dict[int, tuple[int, ...]]]:
-    """``LAYER:ID[@POSITIONS],...`` grouped by their positions (None: every position), each as
-    block -> sorted distinct ids (experts or heads)."""
-    chosen: dict[Positions | None, dict[int, list[int]]] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        pair, at, where = item.partition("@")
-        layer, sep, index = pair.partition(":")
-        if not sep or not _is_number(layer.strip()) or not _is_number(index.strip()) or (at and not placed):
-            example = "3:17 or 3:17@5" if placed else "3:17"
-            raise InputError(f"{flag} {item!r}: expected LAYER:{what}{'[@POSITIONS]' if placed else ''}, e.g. {example}")
-        positions = parse_positions(flag, where) if at else None
-        chosen.setdefault(positions, {}).setdefault(int(layer), []).append(int(index))
-    if not chosen:
-        raise InputError(f"{flag}: no LAYER:{what} given")
-    return {at: {layer: tuple(sorted(set(ids))) for layer, ids in pairs.items()} for at, pairs in chosen.items()}
-
-
-def _block_ids(flag: str, value: Any) -> dict[int, tuple[int, ...]]:
-    """``{block: [ids]}`` (JSON may have made the blocks strings) with every number an integer."""
-    if not isinstance(value, Mapping):
-        raise InputError(f"{flag}: expected LAYER:ID text or {{block: [ids]}}, not {type(value).__name__}")
-    out = {}
-    for block, ids in value.items():
-        block = int(block) if isinstance(block, str) and _is_number(block) else block
-        if not isinstance(ids, list | tuple) or not all(_is_int(i) for i in (block, *ids)):
-            raise InputError(f"{flag}: blocks and ids must be integers")
-        out[block] = tuple(sorted(set(ids)))
-    return out
 
 
 def _moe_layers(args: ModelArgs, layers: tuple[int, ...] | None) -> list[int]:
@@ -175,11 +121,6 @@ class AblateExperts(Intervention):
 
     experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> expert ids
     positions: Positions | None = None  # None: at every position
-
-    @classmethod
-    def parse(cls, text: str) -> AblateExperts:
-        """``LAYER:EXPERT,LAYER:EXPERT,...`` (e.g. ``3:17,3:40,5:2``), every position."""
-        return cls(_pairs("--ablate-experts", "EXPERT", text))
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
         out: dict[str, Replace] = {}
@@ -435,64 +376,6 @@ def _hook_point(what: str, name: str):
     return row
 
 
-def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
-    """The interventions a spec of plain values asks for, in the order they apply: the command line
-    makes one from its flags, the app from its widgets (and keeps it, to run it again).
-
-    * ``ablate``: ``"LAYER:EXPERT[@POSITIONS],..."`` or ``{block: [experts]}``; empty or absent: none
-    * ``no_bias``: ``None``, ``"all"`` or ``[blocks]``
-    * ``attention``: ``None`` (the model's index_topk), ``"dense"`` or another index_topk
-    * ``no_act_fp8``: true for FP8 products without the activations' rounding
-    * ``zero_experts``, ``ablate_heads``: as ``ablate`` (``"LAYER:ID[@POSITIONS],..."`` or ``{block: [ids]}``)
-    * ``at``: ``"P"``, ``"A:B"``: the positions where the ``{block: [ids]}`` forms act (default: all)
-
-    POSITIONS: ``P``, ``A:B`` (A..B-1), ``A:`` or ``:B``. Each intervention checks its values against
-    the model when it runs.
-    """
-    out: list[Intervention] = []
-    no_bias = request.get("no_bias")  # first: the removals below mask the scores it routes by
-    if no_bias is not None:
-        if no_bias != "all" and not (isinstance(no_bias, list | tuple) and all(_is_int(b) for b in no_bias)):
-            raise InputError(f'no_bias: expected "all" or a list of block numbers, not {_shown(no_bias)}')
-        out.append(NoGateBias(None if no_bias == "all" else tuple(no_bias)))
-    at = request.get("at")
-    at = parse_positions("at", str(at)) if at not in (None, "", "all") else None
-    for key, kind, what in (
-        ("ablate", AblateExperts, "EXPERT"),
-        ("zero_experts", ZeroExperts, "EXPERT"),
-        ("ablate_heads", AblateHeads, "HEAD"),
-    ):
-        value = request.get(key)  # "LAYER:ID[@P],..." (the flag's text) or {block: [ids]}
-        flag = "--ablate-experts" if key == "ablate" else "--" + key.replace("_", "-")
-        if isinstance(value, str) and value:
-            out.extend(kind(pairs, positions) for positions, pairs in _placed_pairs(flag, what, value).items())
-        elif value:
-            out.append(kind(_block_ids(flag, value), at))
-    attention = request.get("attention")
-    if attention == "dense":
-        out.append(IndexTopK.dense())
-    elif attention is not None:
-        if not _is_int(attention) or attention < 1:
-            raise InputError(f'attention: expected "dense" or an index_topk (a positive integer), not {_shown(attention)}')
-        out.append(IndexTopK(attention))
-    no_act_fp8 = request.get("no_act_fp8")
-    if not isinstance(no_act_fp8, bool | None):
-        raise InputError(f"no_act_fp8: expected true or false, not {type(no_act_fp8).__name__}")
-    if no_act_fp8:
-        out.append(NoActFP8())
-    return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shown(value: Any) -> str:
-    """A value of a spec as an error line shows it: its type, and its text cut short."""
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
-
-
 # what a patch may hold: the model's floating-point widths, and integers for the index sites
 PATCH_DTYPES = (
     *(torch.float32, torch.bfloat16, torch.float16, torch.float64),
@@ -508,18 +391,6 @@ def check_patch(name: str, value: torch.Tensor) -> None:
         raise InputError(f"patch {name!r} is {str(value.dtype).removeprefix('torch.')}: a patch holds {kinds}")
     if value.is_floating_point() and not torch.isfinite(value).all():
         raise InputError(f"patch {name!r} holds NaN or infinite values")
-
-
-def check_positions(interventions: Sequence[Intervention], n_positions: int) -> None:
-    """InputError for an intervention placed only at positions the run never reaches (``n_positions``:
-    the prompt's and the generated tokens'): it would change nothing and say nothing."""
-    for intervention in interventions:
-        positions = getattr(intervention, "positions", None)
-        if positions is not None and positions[0] >= n_positions:
-            raise InputError(
-                f"nothing to change: the run's last position is {n_positions - 1} (the prompt's tokens and"
-                f" --generate's), and {intervention.describe().strip()}"
-            )
 
 
 def replacements_of(interventions: Sequence[Intervention], args: ModelArgs, points: Mapping) -> dict[str, list[Replace]]:

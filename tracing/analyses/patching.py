@@ -65,7 +65,7 @@ def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
 
 def parse_positions(text: str, n_tokens: int) -> list[int]:
     """``all``, ``last`` or ``A:B`` (positions A..B-1) of a prompt of ``n_tokens``."""
-    from .interventions import parse_positions as positions_range
+    from .intervention_specs import parse_positions as positions_range
 
     if text == "all":
         return list(range(n_tokens))

@@ -1,6 +1,7 @@
-"""The command line, ``python -m tracing {run, export, info, eval, diff, atlas}``: the commands, the
-atlas command, opening a model from its flags (loading), outputs written whole or not at all
-(output) and the progress bar."""
+"""The command line, ``python -m tracing COMMAND``: the parser and its entry (commands), one module
+per command (run, diff, export, info, eval, atlas, patching, plan, serve), opening a model from its
+flags (loading), the flags' rules (inputs), outputs written whole or not at all (output) and the
+progress bar."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,7 @@ def cmd_atlas(args: argparse.Namespace) -> int:
     from model.config import ConfigError
     from model.synthetic import synthetic_source
 
-    from ..analyses.interventions import from_spec
+    from ..analyses.intervention_specs import from_spec
     from ..atlas import AtlasJob
     from ..atlas.build import shard_fingerprint
     from ..atlas.corpus import Source

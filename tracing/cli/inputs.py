@@ -21,6 +21,7 @@ from ..errors import InputError
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only; 19 digits hold every int64
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 INT64 = (-(2**63), 2**63 - 1)
+CONFIG_BYTES = 1 << 20  # a config.json is a few KB; more is not one
 
 
 def parse_int(text: str, what: str, low: int = INT64[0], high: int = INT64[1]) -> int:
@@ -82,6 +83,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise InputError(f"{self.prog}: {message}")
+
+
+def token_ids(text: str, flag: str = "--token-ids") -> list[int]:
+    """A flag's comma-separated token ids."""
+    parts = [part for part in text.split(",") if part.strip()]
+    if not all(is_int(part) for part in parts):
+        raise InputError(f"{flag} {text!r}: expected comma-separated integers like 1,2,3")
+    ids = [int(part) for part in parts]
+    if not ids:
+        raise InputError(f"{flag} is empty: nothing to trace")
+    return ids
 
 
 def regular_file(path: str | os.PathLike, what: str, limit: int | None = None, mapped: bool = False) -> Path:

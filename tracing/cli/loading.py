@@ -72,6 +72,21 @@ def refuse_server(parser, why: str) -> None:
     parser.add_argument("--server", action=_NoServer, why=why, metavar="URL", help=argparse.SUPPRESS)
 
 
+def refuse_local_flags(args: argparse.Namespace) -> None:
+    """With ``--server``: the flags that load a model here say nothing to the server's model."""
+    given = (
+        ("--stream", args.stream),
+        ("--n-layers", args.n_layers is not None),
+        ("--no-mtp", args.no_mtp),
+        ("--inexact-fp8-sums", args.inexact_fp8_sums),
+    )
+    local = [flag for flag, on in given if on]
+    if args.device != "cpu" or args.dtype != "bfloat16":
+        local.append("--device/--dtype")
+    if local:
+        raise InputError(f"{', '.join(local)}: the server's model runs as it was started (python -m tracing serve ...)")
+
+
 class _NoServer(argparse.Action):
     def __init__(self, *args, why: str, **kwargs):
         super().__init__(*args, **kwargs)

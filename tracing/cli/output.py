@@ -20,6 +20,12 @@ from pathlib import Path
 
 from ..errors import InputError
 
+# what --csv's help says of a table directory used before (TableDirectory's stale files)
+REUSED = (
+    " (a reused directory loses the table files of an earlier run, tokens.csv, router.parquet and the like, "
+    "that this one does not write; other files stay)"
+)
+
 
 class OutputError(InputError):
     """An output path that cannot be written."""

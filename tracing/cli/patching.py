@@ -47,7 +47,7 @@ def cmd_patching(args: argparse.Namespace) -> int:
     from ..analyses.patching import parse_sites, sweep
     from ..runner import TraceRequest, token_id
     from ..tables import to_csv_bytes
-    from .commands import token_ids
+    from .inputs import token_ids
     from .output import Outputs, check_directory
     from .progress import ProgressBar
 
@@ -104,7 +104,7 @@ def _runner(args, needs_tokenizer: bool):
 
     if args.server is not None:
         from ..client import Client, read_token_file
-        from .commands import refuse_local_flags
+        from .loading import refuse_local_flags
 
         refuse_local_flags(args)
         client = Client(args.server, read_token_file(args.token_file))

@@ -15,9 +15,7 @@ import argparse
 import json
 
 from ..errors import InputError
-from .inputs import integer, named_path, regular_file
-
-CONFIG_BYTES = 1 << 20
+from .inputs import CONFIG_BYTES, integer, named_path, regular_file
 
 
 def add_parser(sub) -> None:

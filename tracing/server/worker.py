@@ -149,7 +149,7 @@ class Model:
 
 def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     """Everything rank 0 can check before a request is queued (its token ids, as they will run)."""
-    from ..analyses.interventions import check_positions
+    from ..analyses.intervention_specs import check_positions
     from ..runner import attribution_of, check_prefill, check_token_ids, encode, interventions_of
 
     _within_limits(request, limits)

@@ -13,7 +13,8 @@ from model.checkpoint import load_model
 from model.moe import MoE
 from model.synthetic import SyntheticSource
 from tracing.analyses.attribution import AttributionRequest, expert_lens, removable
-from tracing.analyses.interventions import AblateHeads, IndexTopK, ZeroExperts, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import AblateHeads, IndexTopK, ZeroExperts
 from tracing.cli.commands import main
 from tracing.errors import InputError
 from tracing.runner import trace_tokens

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from model.checkpoint import load_model
 from tracing.analyses.evaluate import evaluate
-from tracing.analyses.interventions import from_spec
+from tracing.analyses.intervention_specs import from_spec
 from tracing.cli.commands import main
 from tracing.cli.loading import resolve_checkpoint
 from tracing.runner import trace_tokens

@@ -9,7 +9,7 @@ import torch
 
 from model import fp8
 from tracing.analyses.flow import attention_flow, proximity
-from tracing.analyses.interventions import from_spec
+from tracing.analyses.intervention_specs import from_spec
 from tracing.runner import trace_tokens
 from tracing.sites import select
 from tracing.tables.frames import flow_table

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 from model import TINY
 from model.checkpoint import load_model
 from tracing.analyses.diff import diff_tables, summary
-from tracing.analyses.interventions import AblateExperts, IndexTopK, NoGateBias, from_spec
+from tracing.analyses.intervention_specs import from_spec
+from tracing.analyses.interventions import AblateExperts, IndexTopK, NoGateBias
 from tracing.cli.commands import main
 from tracing.errors import InputError
 from tracing.runner import trace_tokens
@@ -104,7 +105,7 @@ def test_diff_locates_an_ablation(tiny_model, base):
 
 def test_bad_interventions_are_input_errors(tiny_model):
     with pytest.raises(InputError, match="LAYER:EXPERT"):
-        AblateExperts.parse("3-17")
+        from_spec({"ablate": "3-17"})
     with pytest.raises(InputError, match="not a MoE block"):
         trace_tokens(tiny_model, IDS, interventions=[AblateExperts({0: (1,)})])
     with pytest.raises(InputError, match="forced values must be experts in 0..15"):

@@ -8,7 +8,8 @@ import torch
 
 from model import TINY
 from tracing import TraceRequest, run
-from tracing.analyses.interventions import AblateHeads, PatchAt, ZeroExperts, from_spec, parse_positions
+from tracing.analyses.intervention_specs import from_spec, parse_positions
+from tracing.analyses.interventions import AblateHeads, PatchAt, ZeroExperts
 from tracing.cli.commands import main
 from tracing.errors import InputError
 from tracing.runner import trace_tokens
