@@ -1,5 +1,6 @@
-"""A MoE block's routed experts on the CPU: every expert's weights prepared once for the product
-dtype, [w1; w3] as one product, the experts split among the threads.
+"""A MoE block's routed experts on the CPU, split among the threads: FP8 experts summed in the
+kernel's block order, each on its own rows, the block's rows decoded once; otherwise every expert's
+weights prepared once for the product dtype, [w1; w3] as one product.
 
 The values are each expert's own (model.moe.Expert on its rows, as the block's loop calls it): each
 output of a product is its own dot product, so w1 and w3 as one product of twice the width give
@@ -37,9 +38,9 @@ def experts(modules, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, counts
     """Expert j's output for each of its rows, the rows sorted by expert (``tokens`` the token of
     each, ``counts`` how many each expert has): (N k, D) in ``dtype``. None where the experts' own
     modules must run: an expert held by another rank, weights not kept (streamed, on a GPU,
-    trained), float32 weights (their copies would be the weights again), or FP8 products summed in
-    the kernel's block order (each expert's product on its own rows, as the reference's loop
-    forms it: a float32 product of a few rows may sum in another order than one of many)."""
+    trained), or float32 weights (their copies would be the weights again)."""
+    if isinstance(x, fp8.Rounded) and not fp8.sums_inexactly():
+        return _in_kernel_order(modules, x, tokens, counts).to(dtype) if _fp8_kept(modules) else None
     prepared = _prepared(modules, dtype)
     if prepared is None:
         return None
@@ -71,6 +72,37 @@ def experts(modules, x: torch.Tensor | fp8.Rounded, tokens: torch.Tensor, counts
     used = [j for j, c in enumerate(counts) if c]
     per_row = a.shape[1] * 3 * w.inter  # multiply-adds of one row through an expert
     return torch.cat(spread(part, used, [counts[j] * per_row for j in used])).to(dtype)  # (N k, D)
+
+
+def _fp8_kept(modules) -> bool:
+    """Every expert here, with FP8 weights whose copies are kept."""
+    return all(e is not None for e in modules) and modules[0].w1.scale is not None and weights.keeps(modules[0].w1.weight)
+
+
+def _in_kernel_order(modules, x: fp8.Rounded, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The experts' FP8 products in the kernel's block order (model.fp8.blockwise), each expert's on
+    its own rows as its modules form them, the block's rounded rows decoded to float32 once:
+    (N k, D) in x's dtype."""
+    rows = x.rows(tokens)  # (N k, D) codes and scales
+    a = fast_fp8.to_float(rows.codes)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    scale_fmt = modules[0].w2.scale_fmt
+
+    def product(lin, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fast_fp8.blockwise(values, scale, fast_fp8.float_codes(lin.weight), lin.scale).to(x.dtype)
+
+    def one(j: int) -> torch.Tensor:
+        span = slice(ends[j] - counts[j], ends[j])
+        e = modules[j]
+        gate, up = product(e.w1, a[span], rows.scale[span]), product(e.w3, a[span], rows.scale[span])
+        h = fp8.Rounded.of((F.silu(gate.float()) * up.float()).to(x.dtype), scale_fmt)  # w2's input, rounded
+        return product(e.w2, fast_fp8.to_float(h.codes), h.scale)
+
+    used = [j for j, c in enumerate(counts) if c]
+    if not used:
+        return a.new_zeros(0, a.shape[1], dtype=x.dtype)
+    per_row = a.shape[1] * 3 * modules[0].w1.weight.shape[0]  # multiply-adds of one row through an expert
+    return torch.cat(spread(lambda chosen: [one(j) for j in chosen], used, [counts[j] * per_row for j in used]))
 
 
 def _linears(modules) -> list | None:

@@ -228,11 +228,20 @@ def test_expert_route_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
         assert torch.equal(plain(moe.route, x, weights_, indices), plain(reference_moe_loop, moe, x, weights_, indices))
         prepared = fast_moe._prepared(moe.experts, dtype)
         assert (prepared is None) == (weights_form in ("float32", "fp8", "fp8 amax/448 scales"))
+        if weights_form in ("fp8", "fp8 amax/448 scales"):  # the kernel's block order: the CPU's own route
+            assert fast_moe.experts(moe.experts, fp8.Rounded.of(x, moe.scale_fmt), *route_rows(moe, indices), dtype) is not None
         if prepared is not None:
             assert (prepared.packed13 is not None) == (
                 products.product_dtype(dtype) == torch.bfloat16 and products.packed_products_agree()
             )
             assert fast_moe._prepared(moe.experts, dtype) is prepared  # kept while the experts hold the same weights
+
+
+def route_rows(moe, indices: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The (token, expert) rows sorted by expert and the count of each, as MoE.route makes them."""
+    flat = indices.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order // indices.shape[1], torch.bincount(flat, minlength=moe.n_routed_experts).tolist()
 
 
 def test_copies_are_kept_with_their_weight_and_go_with_it(linear_of):
