@@ -200,6 +200,10 @@ class Rounded:
     def __getitem__(self, index) -> Rounded:
         return self._with(lambda t: t[index])
 
+    def flat(self) -> Rounded:
+        """The rows as a matrix: codes (M, K), scales (M, K/128)."""
+        return self._with(lambda t: t.reshape(-1, t.shape[-1]))
+
     def rows(self, index: torch.Tensor) -> Rounded:
         """These rows (index_select on the first dimension, faster than indexing)."""
         return self._with(lambda t: t.index_select(0, index))

@@ -110,11 +110,37 @@ def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tenso
     r = x if isinstance(x, Rounded) else Rounded.of(x, scale_fmt)
     *lead, k = r.codes.shape
     if not fp8.sums_inexactly():
-        y = blockwise(r.codes.reshape(-1, k), r.scale.reshape(-1, k // BLOCK), float_codes(weight), scale)
-        return y.to(r.dtype).reshape(*lead, -1)
+        return kernel_order(r.flat(), weight, scale).to(r.dtype).reshape(*lead, -1)
     compute = products.product_dtype(r.dtype)
     w = dequantized(weight, scale, compute)
     return products.linear(values(r, compute), w, packed(weight, w, compute)).to(r.dtype)  # values on the FP8 grid
+
+
+def kernel_order(r: Rounded, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """model.fp8.blockwise of rounded rows ``r`` (M, K) and an FP8 weight: (M, N) float32.
+
+    Where every scale is a power of two (UE8M0 activations, as ``r.pow2`` says, and weight scales
+    found so once per weight) a block's partial product times both scales is the partial product
+    of the dequantised operands, exactly: each term is scaled by the same power of two, and so is
+    each rounding of the in-order sum (no value here comes near float32's range ends). So the
+    blocks multiply the rows' float32 values and the weight dequantised once and kept, and no
+    pass applies scales. Otherwise the codes' products are scaled as the kernel scales them."""
+    if r.pow2 and exactly_dequantised(scale):
+        return _dequantised_blocks(values(r, torch.float32), dequantized(weight, scale, torch.float32))
+    k = r.codes.shape[-1]
+    return blockwise(r.codes, r.scale.reshape(-1, k // BLOCK), float_codes(weight), scale)
+
+
+def _dequantised_blocks(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Sum over 128-wide blocks, in order, of the in-order block products of a (M, K) and w (N, K)."""
+    m, k = a.shape
+    n = w.shape[0]
+    a = fp8.padded_rows(a)
+    out = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    for kb in range(k // BLOCK):
+        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        out += threaded(a.shape[0] * n * BLOCK, fp8.block_product, a[:, cols], w[:, cols])[:m]  # (M, N)
+    return out
 
 
 def float_codes(weight: torch.Tensor) -> torch.Tensor:

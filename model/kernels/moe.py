@@ -80,28 +80,27 @@ def _fp8_kept(modules) -> bool:
 
 
 def _in_kernel_order(modules, x: fp8.Rounded, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """The experts' FP8 products in the kernel's block order (model.fp8.blockwise), each expert's on
-    its own rows as its modules form them, the block's rounded rows decoded to float32 once:
+    """The experts' FP8 products in the kernel's block order (kernels.fp8.kernel_order), each
+    expert's on its own rows as its modules form them, the block's rounded rows decoded once:
     (N k, D) in x's dtype."""
     rows = x.rows(tokens)  # (N k, D) codes and scales
-    a = fast_fp8.to_float(rows.codes)
+    fast_fp8.values(rows, torch.float32)  # decoded once: each expert's rows are a slice of it
     ends = torch.tensor(counts).cumsum(0).tolist()
     scale_fmt = modules[0].w2.scale_fmt
 
-    def product(lin, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return fast_fp8.blockwise(values, scale, fast_fp8.float_codes(lin.weight), lin.scale).to(x.dtype)
+    def product(lin, r: fp8.Rounded) -> torch.Tensor:
+        return fast_fp8.kernel_order(r, lin.weight, lin.scale).to(x.dtype)
 
     def one(j: int) -> torch.Tensor:
-        span = slice(ends[j] - counts[j], ends[j])
+        mine = rows[ends[j] - counts[j] : ends[j]]
         e = modules[j]
-        gate, up = product(e.w1, a[span], rows.scale[span]), product(e.w3, a[span], rows.scale[span])
-        h = fp8.Rounded.of((F.silu(gate.float()) * up.float()).to(x.dtype), scale_fmt)  # w2's input, rounded
-        return product(e.w2, fast_fp8.to_float(h.codes), h.scale)
+        gate, up = product(e.w1, mine), product(e.w3, mine)
+        return product(e.w2, fp8.Rounded.of((F.silu(gate.float()) * up.float()).to(x.dtype), scale_fmt))
 
     used = [j for j, c in enumerate(counts) if c]
     if not used:
-        return a.new_zeros(0, a.shape[1], dtype=x.dtype)
-    per_row = a.shape[1] * 3 * modules[0].w1.weight.shape[0]  # multiply-adds of one row through an expert
+        return torch.zeros(0, modules[0].w2.weight.shape[0], dtype=x.dtype)
+    per_row = rows.codes.shape[1] * 3 * modules[0].w1.weight.shape[0]  # multiply-adds of one row through an expert
     return torch.cat(spread(lambda chosen: [one(j) for j in chosen], used, [counts[j] * per_row for j in used]))
 
 

@@ -252,9 +252,10 @@ def test_copies_are_kept_with_their_weight_and_go_with_it(linear_of):
     x = torch.randn(3, 256).to(torch.bfloat16)
     with torch.inference_mode():
         first = routed(lin, x)
-        copy = weights.get(lin.weight, ("codes",))
+        kept = ("dequantized", torch.float32)  # power-of-two scales: the blocks multiply the dequantised weight
+        copy = weights.get(lin.weight, kept, (lin.scale,))
         assert copy is not weights.MISSING
-        assert weights.get(lin.weight, ("codes",)) is copy
+        assert weights.get(lin.weight, kept, (lin.scale,)) is copy
     w2, s2 = fp8.weight_quant(torch.randn(256, 256) * 0.05, "ue8m0")
     lin.weight.data, lin.scale.data = w2, s2  # in place: the same parameters, other values
     with torch.inference_mode():
@@ -263,7 +264,7 @@ def test_copies_are_kept_with_their_weight_and_go_with_it(linear_of):
     kernels.use_once(once.weight)
     with torch.inference_mode():
         routed(once, x)
-    assert weights.get(once.weight, ("codes",)) is weights.MISSING
+    assert weights.get(once.weight, ("dequantized", torch.float32), (once.scale,)) is weights.MISSING
     trained = Linear(256, 64)
     torch.nn.init.normal_(trained.weight)
     assert trained.weight.requires_grad
