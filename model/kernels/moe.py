@@ -84,7 +84,8 @@ def _in_kernel_order(modules, x: fp8.Rounded, tokens: torch.Tensor, counts: list
     expert's on its own rows as its modules form them, the block's rounded rows decoded once:
     (N k, D) in x's dtype."""
     rows = x.rows(tokens)  # (N k, D) codes and scales
-    fast_fp8.values(rows, torch.float32)  # decoded once: each expert's rows are a slice of it
+    if rows.pow2:  # UE8M0: kernel_order multiplies the rows' values, decoded once (each expert's a slice)
+        fast_fp8.values(rows, torch.float32)
     ends = torch.tensor(counts).cumsum(0).tolist()
     scale_fmt = modules[0].w2.scale_fmt
 
@@ -119,7 +120,7 @@ def _prepared(modules, dtype: torch.dtype) -> ExpertWeights | None:
         return None
     compute = products.product_dtype(dtype)
     held = tuple(t for lin in linears for t in (lin.weight, lin.scale))
-    key = ("experts", compute, fp8.sums_inexactly())  # the copies differ only for scales that are not powers of two
+    key = ("experts", compute, fp8.rounds_activations())  # the copies' rule differs by rounding (_whole_k)
     known = weights.get(first, key)
     if known is not weights.MISSING and _same(known.held, held):
         return known
@@ -137,14 +138,22 @@ def _no_ref() -> None:
     return None
 
 
+def _whole_k(lin) -> bool:
+    """Whether this FP8 expert's product multiplies its weight dequantised in the product dtype:
+    with rounded activations, inside model.fp8.inexact_sums only (whatever the scales); with
+    unrounded ones, where its scales are powers of two (kernels.fp8.unrounded_gemm otherwise rounds
+    the dequantised weight to the activations' dtype first)."""
+    if fp8.rounds_activations():
+        return fp8.sums_inexactly()
+    return fast_fp8.exactly_dequantised(lin.scale)
+
+
 def _copy(lin, compute: torch.dtype) -> torch.Tensor | None:
-    """What one expert's product multiplies, in the product dtype; None where its FP8 product sums
-    in the kernel's block order (the experts' own modules run then), or where the dequantised
-    weight of an unrounded product is rounded to the activations' dtype first."""
+    """What one expert's product multiplies, in the product dtype; None where the experts' own
+    modules must form it (:func:`_whole_k`)."""
     if lin.scale is None:
         return lin.weight.detach().to(compute)
-    whole_k = fp8.sums_inexactly() or not fp8.rounds_activations() and fast_fp8.exactly_dequantised(lin.scale)
-    return fast_fp8.weight_dequant(lin.weight, lin.scale, compute) if whole_k else None
+    return fast_fp8.weight_dequant(lin.weight, lin.scale, compute) if _whole_k(lin) else None
 
 
 def _prepare(linears: list, compute: torch.dtype, held: tuple) -> ExpertWeights | None:

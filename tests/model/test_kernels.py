@@ -237,6 +237,19 @@ def test_expert_route_is_the_reference_loop_bit_for_bit(tiny_source, dtype, weig
             assert fast_moe._prepared(moe.experts, dtype) is prepared  # kept while the experts hold the same weights
 
 
+@pytest.mark.parametrize("whole_k", [False, True], ids=["kernel order", "whole-K sums"])
+def test_unrounded_experts_with_amax_scales_are_the_reference_loop(whole_k):
+    """Unrounded activations (--no-act-fp8, DeepSeek-V3's products) multiply each FP8 weight
+    dequantised to the activations' dtype first when its scales are not powers of two: the experts'
+    route takes that product too, whether or not FP8 sums are asked to be inexact."""
+    moe = load_model(SyntheticSource(TINY.replace(scale_fmt=None), seed=1)).layers[1].ffn
+    x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    inexact = fp8.inexact_sums() if whole_k else contextlib.nullcontext()
+    with torch.inference_mode(), fp8.unrounded_activations(), inexact:
+        weights_, indices = moe.gate(x)
+        assert torch.equal(routed(moe.route, x, weights_, indices), routed(reference_moe_loop, moe, x, weights_, indices))
+
+
 def route_rows(moe, indices: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The (token, expert) rows sorted by expert and the count of each, as MoE.route makes them."""
     flat = indices.flatten()
