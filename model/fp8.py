@@ -240,11 +240,17 @@ def fp8_gemm(x: torch.Tensor | Rounded, weight: torch.Tensor, scale: torch.Tenso
 
 
 def blockwise(
-    codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, product=None
+    codes: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w_codes: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    product=None,
 ) -> torch.Tensor:
     """The kernel's order: each 128-wide block's float32 partial product (:func:`block_product`)
     times (activation scale x weight scale), added to the float32 sum block by block. ``product``
-    forms the partial products (default :func:`block_product`; the CPU route threads it).
+    forms the partial products (default :func:`block_product`; the CPU route threads it). Scales
+    None: the operands are their dequantised float32 values already, whose partial products are the
+    scaled ones exactly where every scale is a power of two (kernels.fp8.kernel_order).
 
     codes (M, K) fp8, a_scale (M, K/128), w_codes (N, K) float32, w_scale (N/128, K/128).
     """
@@ -252,11 +258,12 @@ def blockwise(
     n = w_codes.shape[0]
     a = padded_rows(codes.float())
     product = product or block_product
-    b_scale = w_scale.repeat_interleave(BLOCK, 0)[:n]  # (N, K/128): each row's block scale
+    b_scale = None if w_scale is None else w_scale.repeat_interleave(BLOCK, 0)[:n]  # (N, K/128): each row's block scale
     out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
     for kb in range(k // BLOCK):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
-        out += product(a[:, cols], w_codes[:, cols])[:m] * (a_scale[:, kb, None] * b_scale[None, :, kb])  # (M, N)
+        partial = product(a[:, cols], w_codes[:, cols])[:m]  # (M, N)
+        out += partial if b_scale is None else partial * (a_scale[:, kb, None] * b_scale[None, :, kb])
     return out
 
 

@@ -126,21 +126,9 @@ def kernel_order(r: Rounded, weight: torch.Tensor, scale: torch.Tensor) -> torch
     blocks multiply the rows' float32 values and the weight dequantised once and kept, and no
     pass applies scales. Otherwise the codes' products are scaled as the kernel scales them."""
     if r.pow2 and exactly_dequantised(scale):
-        return _dequantised_blocks(values(r, torch.float32), dequantized(weight, scale, torch.float32))
+        return blockwise(values(r, torch.float32), None, dequantized(weight, scale, torch.float32), None)
     k = r.codes.shape[-1]
     return blockwise(r.codes, r.scale.reshape(-1, k // BLOCK), float_codes(weight), scale)
-
-
-def _dequantised_blocks(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Sum over 128-wide blocks, in order, of the in-order block products of a (M, K) and w (N, K)."""
-    m, k = a.shape
-    n = w.shape[0]
-    a = fp8.padded_rows(a)
-    out = torch.zeros(m, n, dtype=torch.float32, device=a.device)
-    for kb in range(k // BLOCK):
-        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
-        out += threaded(a.shape[0] * n * BLOCK, fp8.block_product, a[:, cols], w[:, cols])[:m]  # (M, N)
-    return out
 
 
 def float_codes(weight: torch.Tensor) -> torch.Tensor:
@@ -162,8 +150,10 @@ def unrounded_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
     return products.linear(x.to(compute), w, packed(weight, w, compute)).to(x.dtype)
 
 
-def blockwise(codes: torch.Tensor, a_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """model.fp8.blockwise, each block's product threaded, the FP8 codes decoded by table."""
+def blockwise(
+    codes: torch.Tensor, a_scale: torch.Tensor | None, w_codes: torch.Tensor, w_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """model.fp8.blockwise, each block's product threaded, FP8 codes decoded by table."""
     m, n = codes.shape[0], w_codes.shape[0]
 
     def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # rows padded: at least IN_ORDER_ROWS
