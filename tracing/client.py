@@ -194,13 +194,7 @@ class Client:
             raise ServerError(_refusal(status, body))
         if not whole:
             raise ServerError(f"the answer to {path} from {self.url} is larger than {cap:,} bytes: not read")
-        try:
-            answer = json.loads(body)
-        except (ValueError, RecursionError):
-            raise ServerError(f"the answer to {path} from {self.url} is not JSON: {_cut(body)}") from None
-        if not isinstance(answer, dict):
-            raise ServerError(f"the answer to {path} from {self.url} is not a JSON object")
-        return answer
+        return _json_object(body, f"the answer to {path} from {self.url}")
 
     def _timed_out(self, read_timeout: float | None = None) -> str:
         return (
@@ -335,12 +329,7 @@ def read_answer(
 
 def _event(line: bytes) -> dict:
     """One event of the stream, its known kinds' fields checked (the CLI and the app read them)."""
-    try:
-        message = json.loads(line)
-    except (ValueError, RecursionError):
-        raise ServerError(f"the server sent a line that is not JSON: {_cut(line)}") from None
-    if not isinstance(message, dict):
-        raise ServerError(f"the server sent a line that is not a JSON object: {_cut(line)}")
+    message = _json_object(line, "a line the server sent")
     if "queued" in message and not _count(message["queued"]):
         raise ServerError(f"the server sent a malformed queue place: {_cut(line)}")
     if "progress" in message:
@@ -349,6 +338,17 @@ def _event(line: bytes) -> dict:
         if not (isinstance(p, dict) and all(_count(p.get(k)) for k in fields) and p["block"] <= p["blocks"] >= 1):
             raise ServerError(f"the server sent malformed progress: {_cut(line)}")
     return message
+
+
+def _json_object(data: bytes, what: str) -> dict:
+    """``data`` read as a JSON object; one ServerError line naming ``what`` otherwise."""
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        raise ServerError(f"{what} is not JSON: {_cut(data)}") from None
+    if not isinstance(value, dict):
+        raise ServerError(f"{what} is not a JSON object: {_cut(data)}")
+    return value
 
 
 def _count(value) -> bool:
