@@ -72,44 +72,13 @@ import torch  # noqa: E402
 
 from model import ModelArgs, fp8, kernels  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
+from model.config import MID  # noqa: E402
 from model.kernels import products  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 
 THREADS = 2
 SEED = 0
-# Mid-size: every mechanism of the real model at widths that are multiples of the 128 FP8 block
-# (kv_a_proj's 256 + 64 = 320 rows end in a partial block, as the real 576 do). Plain RoPE
-# (max_seq_len = original_seq_len): the peer and the reference agree on it without YaRN details.
-BENCH_ARGS = ModelArgs(
-    vocab_size=16384,
-    dim=1024,
-    inter_dim=2816,
-    moe_inter_dim=256,
-    n_layers=8,
-    n_dense_layers=1,
-    n_heads=8,
-    n_routed_experts=64,
-    n_shared_experts=1,
-    n_activated_experts=6,
-    n_expert_groups=8,
-    n_limited_groups=4,
-    score_func="sigmoid",
-    route_scale=2.5,
-    gate_bias=True,
-    q_lora_rank=512,
-    kv_lora_rank=256,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    max_seq_len=4096,
-    original_seq_len=4096,
-    rope_factor=1.0,
-    index_n_heads=16,
-    index_head_dim=128,
-    index_topk=256,
-    dtype="fp8",
-    scale_fmt="ue8m0",
-)
+BENCH_ARGS = MID  # model.config.MID: hidden 1024, 8 blocks, 64 routed experts in 8 groups
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

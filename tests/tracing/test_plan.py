@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import kernels
+from model import config, kernels
 from model.checkpoint import SafetensorsSource, load_model
 from model.config import ModelArgs
 from model.synthetic import SyntheticSource
@@ -29,32 +29,7 @@ from tracing.server.wire import Limits
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "assets/configs/config_671B_hf.json"
-MID = ModelArgs(  # scripts/trace_fixtures.py's mid-size model (FP8 blocks of real width), with 32 experts
-    vocab_size=16384,
-    dim=1024,
-    inter_dim=2816,
-    moe_inter_dim=256,
-    n_layers=3,
-    n_dense_layers=1,
-    n_heads=8,
-    n_routed_experts=32,
-    n_shared_experts=1,
-    n_activated_experts=6,
-    n_expert_groups=8,
-    n_limited_groups=4,
-    q_lora_rank=512,
-    kv_lora_rank=256,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    max_seq_len=4096,
-    original_seq_len=4096,
-    index_n_heads=16,
-    index_head_dim=128,
-    index_topk=64,
-    dtype="fp8",
-    scale_fmt="ue8m0",
-)
+MID = config.MID.replace(n_layers=3, n_routed_experts=32, index_topk=64)  # FP8 blocks of real width
 
 
 @pytest.mark.parametrize(
