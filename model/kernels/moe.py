@@ -9,6 +9,7 @@ the same values, and rows round independently through FP8, so rounding all rows 
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import NamedTuple
 
@@ -86,7 +87,7 @@ def _in_kernel_order(modules, x: fp8.Rounded, tokens: torch.Tensor, counts: list
     rows = x.rows(tokens)  # (N k, D) codes and scales
     if rows.pow2:  # UE8M0: kernel_order multiplies the rows' values, decoded once (each expert's a slice)
         fast_fp8.values(rows, torch.float32)
-    ends = torch.tensor(counts).cumsum(0).tolist()
+    ends = list(itertools.accumulate(counts))
     scale_fmt = modules[0].w2.scale_fmt
 
     def product(lin, r: fp8.Rounded) -> torch.Tensor:
