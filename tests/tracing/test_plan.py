@@ -78,7 +78,8 @@ from tracing.plan import decide_load
 dist = parallel.init_distributed("cpu")
 free = 10**12 if dist.rank == 0 else 10**6  # only rank 1's device is too small
 load = decide_load(SafetensorsSource(sys.argv[1]), torch.device("cpu"), rank=dist.rank, world=2, agree=True, free=free)
-print(dist.rank, load.mode, flush=True)
+sys.stdout.write(f"{dist.rank} {load.mode}\\n")  # one write: the ranks share the pipe (print writes in pieces unbuffered)
+sys.stdout.flush()
 """
 
 
