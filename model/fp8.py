@@ -260,7 +260,9 @@ def blockwise(
     product = product or block_product
     b_scale = None if w_scale is None else w_scale.repeat_interleave(BLOCK, 0)[:n]  # (N, K/128): each row's block scale
     out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
-    for kb in range(k // BLOCK):
+    # on the meta device (where tracing.plan counts a run) no value is formed and every block
+    # allocates what the first does: one block stands for all
+    for kb in range(1 if codes.is_meta else k // BLOCK):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
         partial = product(a[:, cols], w_codes[:, cols])[:m]  # (M, N)
         out += partial if b_scale is None else partial * (a_scale[:, kb, None] * b_scale[None, :, kb])
