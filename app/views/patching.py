@@ -14,7 +14,7 @@ from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.topics import patching as topic
 from app.topics import patching_runs as runs
-from app.ui import comparison, widgets
+from app.ui import comparison, progress, widgets
 from tracing.analyses.patching import SITES, Cell
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
@@ -35,6 +35,10 @@ def page() -> None:
     if st.button("Run the sweep", type="primary", key="patch_run", icon=":material/play_arrow:"):
         run_sweep(om, asked)
     result = st.session_state.get(RESULT)
+    kept = "The page shows the last complete sweep." if result is not None else "No sweep ran to its end yet."
+    if progress.stopped_notice(st, "patch", kept) and result is not None:
+        show(om, result)
+        return
     if result is None or result["asked"] != asked:
         st.caption("Type a corrupt prompt of the clean one's length and press **Run the sweep**.")
         return
@@ -60,18 +64,13 @@ def controls(om: AppModel) -> tuple:
 
 def run_sweep(om: AppModel, asked: tuple) -> None:
     _, clean, corrupt, sites, positions, target, contrast = asked
-    bar = st.progress(0.0, text="Patching…")
-
-    def on_cell(i: int, n: int) -> None:
-        bar.progress(i / n, text=f"Cell {i + 1} of {n}…")
-
     try:
-        result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
+        with progress.progress(st, "patch", "Patching…") as step:
+            on_cell = lambda i, n: step(i / n, f"Cell {i + 1} of {n}…")  # noqa: E731
+            result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
     except BAD_INPUT as exc:
         st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
-    finally:
-        bar.empty()
     st.session_state[RESULT] = {"asked": asked, "table": result.table, "summary": result.summary}
 
 
