@@ -59,7 +59,7 @@ def render(notices) -> None:
                 max_chars=20_000,
                 disabled=om is None,
                 label_visibility="collapsed",
-                help=f"Up to {settings.max_tokens()} tokens.",
+                help=f"Up to {settings.max_tokens() if om is None else token_limit(om):,} tokens.",
             )
             _chat_control(om)
             _generate_control(om)
