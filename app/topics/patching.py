@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from app.core.keys import LONGEST, Key, text
+from app.core.markup import escape_md
 
 from .figures import DIVERGING, figure, heat_height, heatmap, positions
 
@@ -72,3 +73,14 @@ KEYS: tuple[Key, ...] = (
     Key("patch_cell", "Patching: the cell whose patched run is compared with the corrupt run"),
     Key("patch_fig_", "Patching: a site's heat map (the site)", family=True),
 )
+
+
+def pair_header(model: str, clean: str, corrupt: str, tokens: int | None = None) -> str:
+    """The Patching page's line under its title: the pair it sweeps (not the sidebar's trace, another
+    prompt) on which model, and the pair's length once a sweep of it ran."""
+
+    def quoted(prompt: str) -> str:
+        return f"“{escape_md(prompt if len(prompt) <= 70 else prompt[:69] + '…')}”"
+
+    length = "" if tokens is None else f":gray-badge[:material/notes: {tokens} tokens] "
+    return f"{length}:gray-badge[:material/memory: {escape_md(model)}]  clean {quoted(clean)} → corrupt {quoted(corrupt)}"

@@ -21,13 +21,17 @@ RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summar
 
 
 def page() -> None:
-    om = widgets.model_page(
+    widgets.page_header(
         "Patching",
         "Which activations carry the answer: run a corrupt prompt, put back one value of the clean run (a block's "
         "stream, its attention or FFN update, one head, one expert) at one position, and see how much of the clean "
         "logit difference returns. 1 restores the clean answer, 0 changes nothing. One forward per cell.",
+        None,  # the page shows its pair, not the sidebar's trace
+    )
+    pair = st.empty()
+    om = widgets.page_model(
         "Patching runs the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory). "
-        "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`.",
+        "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`."
     )
     if om is None:
         return
@@ -35,6 +39,8 @@ def page() -> None:
     if st.button("Run the sweep", type="primary", key="patch_run", icon=":material/play_arrow:"):
         run_sweep(om, asked)
     result = st.session_state.get(RESULT)
+    tokens = result["summary"]["tokens"] if result is not None and result["asked"][:3] == asked[:3] else None
+    pair.markdown(topic.pair_header(om.label, asked[1], asked[2], tokens))
     kept = "The page shows the last complete sweep." if result is not None else "No sweep ran to its end yet."
     if progress.stopped_notice(st, "patch", kept) and result is not None:
         show(om, result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from app.core import settings
 from tests.app.apptest import messages, raised_nothing, start
 from tests.app.test_app_interventions import chart_titles
 
@@ -28,6 +29,9 @@ def sweep(at: AppTest, clean: str, corrupt: str, sites: list[str]) -> AppTest:
 def test_a_sweep_draws_a_heat_map_per_site_and_compares_a_cell(app):
     sweep(app, "Anne had not seen Captain", "Anne had not seen Colonel", ["resid_pre", "ffn_out", "heads"])
     assert not app.error, messages(app.error)
+    header = messages(app.markdown[:1])  # the pair swept, not the sidebar's trace
+    assert "7 tokens" in header and "clean “Anne had not seen Captain” → corrupt “Anne had not seen Colonel”" in header
+    assert settings.DEFAULT_PROMPT not in messages(app.markdown)
     result = app.session_state["patch_result"]
     table, summary = result["table"], result["summary"]
     assert set(table["site"]) == {"resid_pre", "ffn_out", "heads"} and summary["differing_positions"] == [6]
