@@ -216,6 +216,7 @@ def test_the_mtp_figure_greys_the_draft_the_rate_leaves_out():
             "mtp_draft": ["a", "b", "<b>x</b>", "d"],
             "mtp_draft_prob": [0.5, 0.4, 0.3, 0.2],
             "mtp_accepted": [True, True, False, True],
+            "mtp_verified": [False, True, True, True],
         }
     )
     drafts = generation.mtp_drafts(steps, start=3)
