@@ -65,6 +65,15 @@ def test_two_seeds_differ_block_by_block_and_position_by_position(checkpoints):
     assert (blocks["keys_jaccard"] < 1).any() and blocks["lens_top1_changed_share"].notna().all()
     assert len(logits) == n_tokens and (logits["kl"] > 0).all()
     assert len(tables["attention"]) == len(tables["indexer_keys"]) == TINY.n_layers * n_tokens
+    # a share of attention on the other's keys is defined where its indexer drops a key the query sees,
+    # the same rows in the table and in the block means, and it is a share: never above 1
+    att = tables["attention"]
+    for share, dropped in (("a_on_keys_b", "keys_dropped_b"), ("b_on_keys_a", "keys_dropped_a")):
+        kept_all = att[dropped] == 0
+        assert list(kept_all) == list(att["position"] < TINY.index_topk), share
+        assert att.loc[kept_all, share].isna().all() and att.loc[~kept_all, share].between(0, 1).all()
+        means = att[~kept_all].groupby("block")[share].mean()
+        assert blocks.set_index("block")[share].to_numpy() == pytest.approx(means.to_numpy())
 
 
 def test_the_same_checkpoint_twice_agrees_everywhere(capsys, checkpoints, tmp_path):
