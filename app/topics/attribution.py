@@ -379,6 +379,11 @@ def labels_fit(graph: Graph, width: float = 900.0, char: float = 5.5) -> bool:
     return all(gap.size == 0 or gap.min() * per_position >= needed for gap in gaps)
 
 
+def edge_rule(top: int, threshold: float | None) -> str:
+    """Which edges the graph draws, in words for its title."""
+    return f"edges with a share above {threshold:g}" if threshold is not None else f"each stream's top {top} edges"
+
+
 def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"each stream's top {TOP_EDGES} edges") -> go.Figure:
     """The graph's edges, wider for larger shares; ``rule`` (which edges are drawn) goes in the title."""
     written = labels_fit(graph)

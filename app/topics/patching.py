@@ -59,6 +59,19 @@ def patching_figure(z: np.ndarray, index: np.ndarray, blocks: list[int], labels:
     )
 
 
+def position_labels(summary: dict) -> list[str]:
+    """A sweep's position labels: the token, or clean → corrupt where the prompts differ."""
+    a, b = summary["clean"]["tokens"], summary["corrupt"]["tokens"]
+    return [f"{p} {x!r}" if x == y else f"{p} {x!r}→{y!r}" for p, (x, y) in enumerate(zip(a, b, strict=True))]
+
+
+def map_figure(table: pd.DataFrame, site: str, summary: dict) -> go.Figure | None:
+    """A sweep's heat map of one site (tracing.analyses.patching.sweep's table and summary), or None when
+    the table has no row of it."""
+    got = grid(table, site, summary["tokens"])
+    return None if got is None else patching_figure(*got, position_labels(summary), site)
+
+
 # the Patching page's session keys (app.core.session assembles every page's into its schema)
 KEYS: tuple[Key, ...] = (
     Key("patch_clean", "Patching: the clean prompt", kept=True, link=text(LONGEST)),

@@ -201,10 +201,9 @@ def graph_view(view: View, position: int) -> None:
     by_share = rule.segmented_control("Edges", ["top k per stream", "above a share"], key="attr_edges") == "above a share"
     if by_share:
         top, cut = topic.TOP_EDGES, amount.slider("Threshold", 0.01, 0.5, key="attr_threshold", step=0.01)
-        words = f"edges with a share above {cut:g}"
     else:
         top, cut = int(amount.number_input("k", 1, 20, key="attr_top", help="Each stream's k largest inputs.")), None
-        words = f"each stream's top {top} edges"
+    words = topic.edge_rule(top, cut)
     graph = view.memo(("attr_graph", position, cut, top), lambda: topic.flow_graph(trace, position, cut, top))
     build = lambda: topic.flow_figure(graph, labels(view), position, words)  # noqa: E731
     widgets.memo_chart(view, "attr_flow", build, position, cut, top)

@@ -87,20 +87,13 @@ def show(om: AppModel, result: dict) -> None:
     cols[1].metric("Corrupt logit difference", f"{s['corrupt']['logit_diff']:+.3f}")
     cols[2].metric("Patched runs", f"{s['runs']}")
     cols[3].metric("Time", f"{s['seconds']:.1f} s")
-    labels = _labels(s)
     for site in s["sites"]:
-        got = topic.grid(table, site, s["tokens"])
-        if got is not None:
-            widgets.chart(topic.patching_figure(*got, labels, site), key=f"patch_fig_{site}")
+        fig = topic.map_figure(table, site, s)
+        if fig is not None:
+            widgets.chart(fig, key=f"patch_fig_{site}")
     widgets.table(st, table, "patching")
     widgets.csv_button(st, table, "patching.csv", "patch_csv")
     cell_view(om, result)
-
-
-def _labels(s: dict) -> list[str]:
-    """Position labels: the token, or clean → corrupt where the prompts differ."""
-    a, b = s["clean"]["tokens"], s["corrupt"]["tokens"]
-    return [f"{p} {x!r}" if x == y else f"{p} {x!r}→{y!r}" for p, (x, y) in enumerate(zip(a, b, strict=True))]
 
 
 def cell_view(om: AppModel, result: dict) -> None:

@@ -27,7 +27,7 @@ MOE = 1  # TINY's first MoE block
 
 @pytest.fixture(scope="module")
 def trace(tiny_model):
-    return run(tiny_model, TraceRequest(token_ids=TOKENS, record=("all",), attribute=True))
+    return run(tiny_model, TraceRequest(token_ids=TOKENS, record=("all", "flow"), attribute=True))
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +300,24 @@ def test_the_pages_switch_the_first_token_out_of_their_scales(app_checkpoint, mo
     at.toggle(key="router_skip_first").set_value(True)
     at = raised_nothing(at.run())
     assert any("routed vs shared" in t and "position 0 left out" in t for t in titles())
+
+
+def test_a_notebook_draws_the_contribution_graph_and_a_patching_map(trace, tiny_model):
+    """app.plots outside the app: the contribution graph of a trace recorded with flow, and a patching
+    sweep's heat map from its table and summary, as the pages draw them."""
+    from tracing.analyses.patching import sweep
+
+    graph = plots.plot(trace, "contribution_graph", position=len(TOKENS) - 2, top=2)
+    assert f"into position {len(TOKENS) - 2}: each stream's top 2 edges" in graph.layout.title.text
+    assert kind(graph, "scatter", "attention") and kind(graph, "scatter", "FFN (experts)")
+    with pytest.raises(ValueError, match="position 99"):
+        plots.plot(trace, "contribution_graph", position=99)
+    clean, corrupt = TOKENS[:6], [*TOKENS[:5], 250]
+    requests = TraceRequest(token_ids=clean), TraceRequest(token_ids=corrupt)
+    swept = sweep(lambda r: run(tiny_model, r), *requests, sites=["heads"], positions="5:6")
+    fig = plots.patching_map(swept.table, "heads", swept.summary)
+    (heat,) = fig.data
+    assert heat.type == "heatmap" and len(heat.y) == TINY.n_layers and len(heat.x) == len(clean)
+    assert "→" in heat.x[-1] and "(head %{customdata})" in heat.hovertemplate
+    with pytest.raises(ValueError, match="no row of site 'experts'"):
+        plots.patching_map(swept.table, "experts", swept.summary)
