@@ -30,7 +30,7 @@ def progress(where, name: str, text: str) -> Iterator[Callable[[float, str], Non
     stops.pop(name, None)
     box = where.container()
     bar = box.progress(0.0, text=text)
-    box.button("Stop", key=f"{name}_stop", icon=":material/stop:", help="Stop this run: the page keeps its last result")
+    box.button("Stop", key=f"stop_{name}", icon=":material/stop:", help="Stop this run: the page keeps its last result")
     at = [text]
 
     def step(fraction: float, text: str) -> None:
