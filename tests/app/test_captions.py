@@ -321,3 +321,39 @@ def test_a_notebook_draws_the_contribution_graph_and_a_patching_map(trace, tiny_
     assert "→" in heat.x[-1] and "(head %{customdata})" in heat.hovertemplate
     with pytest.raises(ValueError, match="no row of site 'experts'"):
         plots.patching_map(swept.table, "experts", swept.summary)
+
+
+def test_a_click_on_the_graph_opens_a_heads_or_an_experts_detail(trace):
+    """The graph's diamonds and squares carry their node; the browser's selection of one reads back as it,
+    and the node's detail holds each head's part, sources and dropped keys, each expert's share, part and
+    lens, as the trace recorded them at the attributed position (NaN elsewhere)."""
+    from app.topics import graph_nodes
+
+    position = trace.extra["attribution"]["position"]
+    fig = attribution.flow_figure(attribution.flow_graph(trace, position), position_labels(trace), position)
+    (diamonds,) = kind(fig, "scatter", "heads (click)")
+    (squares,) = kind(fig, "scatter", "FFN (experts)")
+    clicks = [{"curve_number": 0, "point_index": 0, "x": "0"}, {"customdata": ["attention", 99, 0]}]  # an edge, a forged node
+    assert graph_nodes.picked(clicks, trace) is None
+    head_node = next(
+        n
+        for n in (graph_nodes.picked([{"customdata": list(d)}], trace) for d in diamonds.customdata)
+        if n.position == position and n.block == MOE
+    )
+    heads = graph_nodes.heads(trace, head_node)
+    parts = trace.site(MOE, "attn.attribution").double().numpy()
+    assert sorted(heads["part"]) == pytest.approx(sorted(parts)) and abs(heads["part"][0]) == pytest.approx(abs(parts).max())
+    assert heads["sources"][0] and heads["dropped_keys"].notna().all()
+    assert graph_nodes.keys(trace, head_node)["share"].sum() == pytest.approx(1.0, abs=1e-5)
+    ffn_node = next(
+        n
+        for n in (graph_nodes.picked([{"customdata": list(d)}], trace) for d in squares.customdata)
+        if n.position == position and n.block == MOE
+    )
+    experts = graph_nodes.experts(trace, ffn_node)
+    routed = experts[experts["expert"] >= 0]
+    ffn = trace.site(MOE, "ffn.attribution").double().numpy()
+    assert len(routed) and list(routed["part"]) == pytest.approx([ffn[e] for e in routed["expert"]])
+    assert routed["promotes"].str.len().gt(0).all()
+    elsewhere = graph_nodes.Node("ffn", MOE, position - 1)
+    assert graph_nodes.experts(trace, elsewhere)["part"].isna().all() and graph_nodes.heads(trace, elsewhere)["part"].isna().all()
