@@ -39,15 +39,13 @@ def page() -> None:
     if st.button("Run the sweep", type="primary", key="patch_run", icon=":material/play_arrow:"):
         run_sweep(om, asked)
     result = st.session_state.get(RESULT)
-    tokens = result["summary"]["tokens"] if result is not None and result["asked"][:3] == asked[:3] else None
-    pair.markdown(topic.pair_header(om.label, asked[1], asked[2], tokens))
     kept = "The page shows the last complete sweep." if result is not None else "No sweep ran to its end yet."
-    if progress.stopped_notice(st, "patch", kept) and result is not None:
-        show(om, result)
-        return
-    if result is None or result["asked"] != asked:
+    stopped = progress.stopped_notice(st, "patch", kept)
+    if result is None or (result["asked"] != asked and not stopped):
+        pair.markdown(topic.pair_header(om.label, asked[1], asked[2]))
         st.caption("Type a corrupt prompt of the clean one's length and press **Run the sweep**.")
         return
+    pair.markdown(topic.pair_header(om.label, result["asked"][1], result["asked"][2], result["summary"]["tokens"]))
     show(om, result)
 
 
