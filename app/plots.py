@@ -7,6 +7,8 @@ notebook or a script (no Streamlit session needed).
     trace = tracing.load("demo").run("It is a truth universally acknowledged", record="all", attribute=True)
     plots.plot(trace, "router_scores", block=1).show()
     plots.names()  # every figure this module draws
+    plots.plot(tracing.load("demo").run("It is a truth", record="default,flow", attribute=True), "contribution_graph")
+    plots.patching_map(sweep.table, "heads", sweep.summary)  # a patching sweep's heat map
 
 Each figure is a topic's shaping (app/topics: numpy and pandas cut from the trace) and its
 ``*_figure`` function; ``plot`` raises ValueError naming the sites a trace lacks for one.
@@ -18,15 +20,16 @@ import html
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import pandas as pd
 import plotly.graph_objects as go
 
 from tracing.tables import BUILDERS
 from tracing.trace import Trace
 
-from .topics import attention, attribution, card_plots, experts, predictions
+from .topics import attention, attribution, card_plots, experts, patching, predictions
 from .topics.tokens import labels
 
-__all__ = ["names", "plot"]
+__all__ = ["names", "patching_map", "plot"]
 
 
 class _Held:
@@ -92,6 +95,19 @@ def _attribution_block(kind: str) -> Callable[[_Held, int], go.Figure | None]:
     return draw
 
 
+def _contribution_graph(
+    held: _Held, block: int, position: int | None = None, top: int = attribution.TOP_EDGES, threshold: float | None = None
+) -> go.Figure | None:
+    info = attribution.attributed(held.trace)
+    if position is None:
+        position = info["position"] if info is not None else held.n_tokens - 1
+    if not 0 <= position < held.n_tokens:
+        raise ValueError(f"position {position}: the trace has positions 0..{held.n_tokens - 1}")
+    graph = attribution.flow_graph(held.trace, position, threshold, top)
+    rule = attribution.edge_rule(top, threshold)
+    return None if graph is None else attribution.flow_figure(graph, labels(held), position, rule)
+
+
 # name -> (draw(held, block), the sites it needs: what an error names)
 _FIGURES: dict[str, tuple[Callable[..., go.Figure | None], str]] = {
     **{name: (fn, "the card's sites (record 'all')") for name, fn in card_plots.PLOTS.items()},
@@ -102,7 +118,18 @@ _FIGURES: dict[str, tuple[Callable[..., go.Figure | None], str]] = {
     "attribution_grid": (_attribution_grid, "attribution (attribute=True)"),
     "attribution_heads": (_attribution_block("heads"), "attribution (attribute=True)"),
     "attribution_ffn": (_attribution_block("ffn"), "attribution (attribute=True)"),
+    "contribution_graph": (_contribution_graph, "layers.{i}.attn.flow (record 'default,flow')"),
 }
+
+
+def patching_map(table: pd.DataFrame, site: str, summary: dict) -> go.Figure:
+    """A patching sweep's heat map of one ``site`` (resid_pre, attn_out, ffn_out, heads, experts) as the
+    Patching page draws it, from the sweep's table and summary (``tracing.analyses.patching.sweep``'s
+    Sweep, or ``patching --out DIR``'s patching.csv and summary.json)."""
+    fig = patching.map_figure(table, site, summary)
+    if fig is None:
+        raise ValueError(f"the table has no row of site {site!r}: it holds {', '.join(sorted(set(table['site'])))}")
+    return fig
 
 
 def names() -> list[str]:
@@ -112,7 +139,9 @@ def names() -> list[str]:
 
 def plot(trace: Trace, name: str, block: int = 0, **options: Any) -> go.Figure:
     """The figure ``name`` of ``trace`` (for a block's figure: ``block``), as the app draws it.
-    ``options`` go to the card figures that take them (``head=`` for attention_pattern)."""
+    ``options`` go to the figures that take them (``head=`` for attention_pattern; ``position=``,
+    ``top=`` or ``threshold=`` for contribution_graph, default the attributed position and each
+    stream's top 3 edges)."""
     if name not in _FIGURES:
         raise ValueError(f"no figure {name!r}: choose from {', '.join(names())}")
     if not 0 <= block < trace.config.n_layers:

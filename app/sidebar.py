@@ -18,6 +18,7 @@ from .core.markup import code_md, escape_md
 from .core.models import AppModel, open_by_key, open_model, open_server
 from .core.session import SOURCES, current_entry, name_upload, origin
 from .core.traces import Chat, Generation, TraceKey, chat_refusal, open_upload, store, token_limit, trace_prompt
+from .ui.progress import progress, stopped_notice
 
 SOURCE_LABELS = {"demo": "Bundled demo", "dir": "Checkpoint directory", "server": "Model server", "upload": "Trace file"}
 
@@ -58,7 +59,7 @@ def render(notices) -> None:
                 max_chars=20_000,
                 disabled=om is None,
                 label_visibility="collapsed",
-                help=f"Up to {settings.max_tokens()} tokens.",
+                help=f"Up to {settings.max_tokens() if om is None else token_limit(om):,} tokens.",
             )
             _chat_control(om)
             _generate_control(om)
@@ -234,6 +235,9 @@ def _generation_settings() -> tuple[int, Sampling]:
 def _trace(om: AppModel, run: bool, notices) -> None:
     """Trace on the button, on first load, and when the model changed under the shown trace."""
     key = st.session_state.get("trace_key")
+    kept = "The pages show the last trace." if key is not None else "No trace yet."
+    if not run and stopped_notice(notices, "trace", f"{kept} Press **Trace** to trace again."):
+        return
     if not run and key is not None and key.on(om):
         return
     prompt = st.session_state.get("prompt", "")
@@ -247,19 +251,14 @@ def _trace(om: AppModel, run: bool, notices) -> None:
     if store().get(wanted) is not None:
         st.session_state["trace_key"] = wanted
         return
-    bar = notices.progress(0.0, text="Tracing…")
     n = om.args.n_layers
-
-    def on_block(i: int) -> None:
-        bar.progress(i / n, text=f"Tracing block {i} ({i + 1} of {n})…")
-
     try:
-        entry = trace_prompt(om, prompt, on_block, generation=generation, chat=chat)
+        with progress(notices, "trace", "Tracing…") as step:
+            on_block = lambda i: step(i / n, f"Tracing block {i} ({i + 1} of {n})…")  # noqa: E731
+            entry = trace_prompt(om, prompt, on_block, generation=generation, chat=chat)
     except BAD_INPUT as exc:
-        bar.empty()
         notices.error(f"**Not traced.** {escape_md(str(exc))}", icon=":material/error:")
         return
-    bar.empty()
     st.session_state["trace_key"] = entry.key
 
 

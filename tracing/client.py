@@ -128,6 +128,17 @@ class Client:
             self._info = info
         return self._info
 
+    def max_tokens(self) -> int:
+        """The most tokens one request runs, prompt and generated together: the served model's own
+        positions (its config's max_position_embeddings) when fewer than the server's limits allow."""
+        info = self.info()
+        limits = info["limits"]
+        return min(ModelArgs.from_json(info["config"]).max_seq_len, limits["max_prompt_tokens"] + limits["max_generate"])
+
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the server runs: its limit, or the served model's positions when fewer."""
+        return min(self.max_tokens(), self.info()["limits"]["max_prompt_tokens"])
+
     def encode(self, request: TraceRequest) -> list[int]:
         """The token ids the server would run ``request`` on (checked as /trace checks them)."""
         body, kind = encode_request(request)

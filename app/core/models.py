@@ -54,6 +54,10 @@ class AppModel(ABC):
     @abstractmethod
     def args(self) -> ModelArgs: ...
 
+    def max_tokens(self) -> int:
+        """The most tokens the model runs, prompt and generated together."""
+        return self.args.max_seq_len
+
     @abstractmethod
     def describe(self) -> list[str]:
         """Lines for the sidebar: the architecture, where and how it computes."""
@@ -115,6 +119,9 @@ class RemoteModel(AppModel):
             f"model server {self.client.url}: {ranks} on {f['device']}, {f['dtype']}; {load}",
             *([held[:300]] if isinstance(held, str) else []),
         ]
+
+    def max_tokens(self) -> int:
+        return self.client.max_tokens()
 
     def has_tokenizer(self) -> bool:
         return bool(self.facts["tokenizer"])
@@ -291,8 +298,7 @@ def _open_checked(value: str, dtype: str) -> AppModel:
 def _open_server(url: str, token_file: str | None) -> RemoteModel:
     client = Client(url, read_token_file(token_file, settings.ENV_SERVER_TOKEN_FILE))  # timeouts, caps: tracing.client
     facts = client.info()
-    limits = facts.get("limits", {})
-    notes = [f"the server takes prompts of up to {limits['max_prompt_tokens']} tokens"] if limits else []
+    notes = [f"the server takes prompts of up to {client.max_prompt_tokens():,} tokens"]
     return RemoteModel(client, facts, notes)
 
 

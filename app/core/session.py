@@ -39,6 +39,8 @@ CARDED_PAGES = ("residual", "attention", "router", "generation", "attribution")
 
 # The session's own keys and the sidebar's; each page declares its own beside its code (a topic's KEYS).
 SESSION_KEYS: tuple[Key, ...] = (
+    Key("progress_stopped", "where each kind of long run (trace, patch, intervene) last stopped (app.ui.progress)"),
+    Key("stop_", "the Stop button beside a long run's progress bar (the run's kind)", family=True),
     # the sidebar: source, model, prompt, run settings
     Key(
         "source",

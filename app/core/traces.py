@@ -217,7 +217,7 @@ def record_patterns(args: ModelArgs, n_tokens: int) -> list[str]:
 
 def token_limit(om: AppModel) -> int:
     """The most positions the app traces on this model, prompt and generated tokens together."""
-    return min(settings.max_tokens(), om.args.max_seq_len)
+    return min(settings.max_tokens(), om.max_tokens())
 
 
 def chat_refusal(om: AppModel) -> str | None:

@@ -379,6 +379,11 @@ def labels_fit(graph: Graph, width: float = 900.0, char: float = 5.5) -> bool:
     return all(gap.size == 0 or gap.min() * per_position >= needed for gap in gaps)
 
 
+def edge_rule(top: int, threshold: float | None) -> str:
+    """Which edges the graph draws, in words for its title."""
+    return f"edges with a share above {threshold:g}" if threshold is not None else f"each stream's top {top} edges"
+
+
 def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"each stream's top {TOP_EDGES} edges") -> go.Figure:
     """The graph's edges, wider for larger shares; ``rule`` (which edges are drawn) goes in the title."""
     written = labels_fit(graph)
@@ -408,7 +413,23 @@ def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"ea
                 }
             )
             first = False
+    heads = graph.edges[graph.edges["kind"] == "attention"][["x1", "y1"]].drop_duplicates()
+    if not heads.empty:  # one point per block and receiving position: the heads that fed it, to click
+        blocks = ((heads["y1"] - 1) // 2).astype(int)
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "x": [labels[int(x)] for x in heads["x1"]],
+                "y": (heads["y1"] - 0.5).tolist(),
+                "customdata": [["attention", b, int(t)] for b, t in zip(blocks, heads["x1"], strict=True)],
+                "marker": {"symbol": "diamond", "size": 8, "color": COLORS["attention"]},
+                "name": "heads (click)",
+                "hovertemplate": "%{x}<br>block %{customdata[1]}'s heads into it: click for each head<extra></extra>",
+            }
+        )
     if not graph.nodes.empty:
+        blocks = ((graph.nodes["y"] - 1.5) // 2).astype(int)
         traces.append(
             {
                 "type": "scatter",
@@ -416,18 +437,20 @@ def flow_figure(graph: Graph, labels: list[str], position: int, rule: str = f"ea
                 "x": [labels[int(x)] for x in graph.nodes["x"]],
                 "y": graph.nodes["y"],
                 "text": graph.nodes["label"],
+                "customdata": [["ffn", b, int(t)] for b, t in zip(blocks, graph.nodes["x"], strict=True)],
                 "textposition": "middle right",
                 "cliponaxis": False,
                 "textfont": {"size": 9},
                 "marker": {"symbol": "square", "size": 8, "color": COLORS["ffn"]},
                 "name": "FFN (experts)",
-                "hovertemplate": "%{x}<br>%{text}<extra></extra>",
+                "hovertemplate": "%{x}<br>%{text}<br>click for each expert<extra></extra>",
             }
         )
     ticks = list(range(len(graph.levels)))
     title = f"Contribution graph into position {position}: {rule}; keys the indexer dropped never drawn"
     if not written:
         title += "; hover a square for its experts' shares"
+    title += "; click a diamond (heads) or a square (experts) for its detail"
     return figure(
         traces,
         title,

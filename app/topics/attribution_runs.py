@@ -118,4 +118,8 @@ KEYS: tuple[Key, ...] = (
         link=one_of("top k per stream", "above a share"),
     ),
     Key("attr_top", "Attribution: the contribution graph's k edges per stream", kept=True, link=integer(1, 20)),
+    Key("attr_flow", "Attribution: the contribution graph (its selection: the node clicked)"),
+    Key("attr_node", "Attribution: the contribution graph's node last clicked (graph_nodes.Node)"),
+    Key("attr_node_pick", "Attribution: the head or expert of the clicked node whose detail is shown"),
+    Key("attr_node_at", "Attribution: the button that attributes at the clicked node's position"),
 )

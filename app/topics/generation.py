@@ -103,7 +103,7 @@ def mtp_drafts(steps: pd.DataFrame, start: int) -> pd.DataFrame | None:
             "draft": [show_token(t, html_escape=False) for t in rows["mtp_draft"]],
             "draft_prob": rows["mtp_draft_prob"],
             "accepted": rows["mtp_accepted"],
-            "verified": rows["position"] > start,  # drafted from a generated token: what a speculative decoder checks
+            "verified": rows["mtp_verified"],  # drafted from a generated token: what a speculative decoder checks
         }
     )
 

@@ -150,7 +150,8 @@ TABLES = {
     "attention": (
         "Attention",
         "Per block and query position: the total variation ½ Σ|p_a − p_b| of the attention over the keys (mean over "
-        "heads), the key each run reads most, each run's mass on the keys the other's indexer selected.",
+        "heads), the key each run reads most, each run's share of mass on the keys the other's indexer selected (at the "
+        "queries where it drops a key: elsewhere the share is 1 by construction).",
     ),
     "logits": ("Logits", "Per position: KL(p_a ‖ p_b) of the next-token distributions and both top-1 tokens."),
 }

@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from app.core.keys import LONGEST, Key, text
+from app.core.markup import escape_md
 
 from .figures import DIVERGING, figure, heat_height, heatmap, positions
 
@@ -58,6 +59,19 @@ def patching_figure(z: np.ndarray, index: np.ndarray, blocks: list[int], labels:
     )
 
 
+def position_labels(summary: dict) -> list[str]:
+    """A sweep's position labels: the token, or clean → corrupt where the prompts differ."""
+    a, b = summary["clean"]["tokens"], summary["corrupt"]["tokens"]
+    return [f"{p} {x!r}" if x == y else f"{p} {x!r}→{y!r}" for p, (x, y) in enumerate(zip(a, b, strict=True))]
+
+
+def map_figure(table: pd.DataFrame, site: str, summary: dict) -> go.Figure | None:
+    """A sweep's heat map of one site (tracing.analyses.patching.sweep's table and summary), or None when
+    the table has no row of it."""
+    got = grid(table, site, summary["tokens"])
+    return None if got is None else patching_figure(*got, position_labels(summary), site)
+
+
 # the Patching page's session keys (app.core.session assembles every page's into its schema)
 KEYS: tuple[Key, ...] = (
     Key("patch_clean", "Patching: the clean prompt", kept=True, link=text(LONGEST)),
@@ -72,3 +86,14 @@ KEYS: tuple[Key, ...] = (
     Key("patch_cell", "Patching: the cell whose patched run is compared with the corrupt run"),
     Key("patch_fig_", "Patching: a site's heat map (the site)", family=True),
 )
+
+
+def pair_header(model: str, clean: str, corrupt: str, tokens: int | None = None) -> str:
+    """The Patching page's line under its title: the pair it sweeps (not the sidebar's trace, another
+    prompt) on which model, and the pair's length once a sweep of it ran."""
+
+    def quoted(prompt: str) -> str:
+        return f"“{escape_md(prompt if len(prompt) <= 70 else prompt[:69] + '…')}”"
+
+    length = "" if tokens is None else f":gray-badge[:material/notes: {tokens} tokens] "
+    return f"{length}:gray-badge[:material/memory: {escape_md(model)}]  clean {quoted(clean)} → corrupt {quoted(corrupt)}"

@@ -62,12 +62,15 @@ def csv_button(where, frame: pd.DataFrame, file_name: str, key: str) -> None:
     download(where, "CSV", lambda: to_csv_bytes(frame), file_name, "text/csv", key, ":material/table:")
 
 
-def chart(fig: go.Figure, key: str | None = None) -> None:
+def chart(fig: go.Figure, key: str | None = None, select: bool = False):
+    """Draw ``fig``; ``select``: a click on a point reruns the page, and the chart's selection is returned."""
     # theme=None: the figures bring their look and their margins (topics.figures, topics.margins);
     # Streamlit's theme would restyle each one in the browser and let its margins grow in a second draw
-    st.plotly_chart(fig, width="stretch", config=CHART_CONFIG, key=key, theme=None)
+    on = {"on_select": "rerun", "selection_mode": "points"} if select else {}
+    event = st.plotly_chart(fig, width="stretch", config=CHART_CONFIG, key=key, theme=None, **on)
     title = fig.layout.title.text if fig.layout.title and fig.layout.title.text else (key or "figure")
     keep(key or title, title, fig)
+    return event if select else None
 
 
 def table(where, frame: pd.DataFrame, name: str) -> None:

@@ -18,9 +18,10 @@ from app.core.session import View, session_model
 from app.core.traces import Entry, TraceKey
 from app.topics import attribution as topic
 from app.topics import attribution_runs as runs
+from app.topics import graph_nodes as nodes
 from app.topics.attribution_runs import NONE
 from app.topics.tokens import labels
-from app.ui import card_view, causal, widgets
+from app.ui import card_view, causal, graph_node, widgets
 from tracing.analyses.attribution import AttributionRequest
 
 FLOW_FOR = "attr_flow_for"  # the plain trace's key for which the graph was asked (the button)
@@ -201,13 +202,13 @@ def graph_view(view: View, position: int) -> None:
     by_share = rule.segmented_control("Edges", ["top k per stream", "above a share"], key="attr_edges") == "above a share"
     if by_share:
         top, cut = topic.TOP_EDGES, amount.slider("Threshold", 0.01, 0.5, key="attr_threshold", step=0.01)
-        words = f"edges with a share above {cut:g}"
     else:
         top, cut = int(amount.number_input("k", 1, 20, key="attr_top", help="Each stream's k largest inputs.")), None
-        words = f"each stream's top {top} edges"
+    words = topic.edge_rule(top, cut)
     graph = view.memo(("attr_graph", position, cut, top), lambda: topic.flow_graph(trace, position, cut, top))
-    build = lambda: topic.flow_figure(graph, labels(view), position, words)  # noqa: E731
-    widgets.memo_chart(view, "attr_flow", build, position, cut, top)
+    fig = view.memo(("figure", "attr_flow", position, cut, top), lambda: topic.flow_figure(graph, labels(view), position, words))
+    event = widgets.chart(fig, key="attr_flow", select=True)  # a click on a diamond or a square opens its detail
+    graph_node.node_view(view, nodes.picked(event.selection.points, trace) if event is not None else None)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from app.core.models import AppModel
 from app.core.traces import Entry
 from app.topics import intervention_runs as runs
 from app.topics.interventions import ARRIVING
-from app.ui import comparison, intervention_controls, widgets
+from app.ui import comparison, intervention_controls, progress, widgets
 
 RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
 COMPARE = {"interventions": "interventions on this checkpoint", "checkpoint": "another checkpoint"}
@@ -57,6 +57,7 @@ def page() -> None:
     if run or arrived:
         run_now(om, base, cfg)
     result = st.session_state.get(RESULT)
+    progress.stopped_notice(st, "intervene", "The page shows the last complete run." if result else "No run ended yet.")
     if result is None:
         st.caption("Choose one or more interventions above and press **Run with these interventions**.")
         return
@@ -137,15 +138,9 @@ def run_now(om: AppModel, base: Entry, cfg) -> None:
                 "another attention, or no FP8 activation rounding."
             )
             return
-        bar = st.progress(0.0, text="Running with the interventions…")
-
-        def on_block(i: int) -> None:
-            bar.progress(i / cfg.n_layers, text=f"Block {i} ({i + 1} of {cfg.n_layers})…")
-
-        try:
-            runs.intervened(om, base, spec, on_block)
-        finally:
-            bar.empty()
+        n = cfg.n_layers
+        with progress.progress(st, "intervene", "Running with the interventions…") as step:
+            runs.intervened(om, base, spec, lambda i: step(i / n, f"Block {i} ({i + 1} of {n})…"))
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return

@@ -14,20 +14,24 @@ from app.core.errors import BAD_INPUT
 from app.core.models import AppModel
 from app.topics import patching as topic
 from app.topics import patching_runs as runs
-from app.ui import comparison, widgets
+from app.ui import comparison, progress, widgets
 from tracing.analyses.patching import SITES, Cell
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
 
 
 def page() -> None:
-    om = widgets.model_page(
+    widgets.page_header(
         "Patching",
         "Which activations carry the answer: run a corrupt prompt, put back one value of the clean run (a block's "
         "stream, its attention or FFN update, one head, one expert) at one position, and see how much of the clean "
         "logit difference returns. 1 restores the clean answer, 0 changes nothing. One forward per cell.",
+        None,  # the page shows its pair, not the sidebar's trace
+    )
+    pair = st.empty()
+    om = widgets.page_model(
         "Patching runs the model again: load a checkpoint in the sidebar (the bundled demo or a checkpoint directory). "
-        "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`.",
+        "The command line: `python -m tracing patching --checkpoint DIR --clean TEXT --corrupt TEXT --out DIR`."
     )
     if om is None:
         return
@@ -35,9 +39,13 @@ def page() -> None:
     if st.button("Run the sweep", type="primary", key="patch_run", icon=":material/play_arrow:"):
         run_sweep(om, asked)
     result = st.session_state.get(RESULT)
-    if result is None or result["asked"] != asked:
+    kept = "The page shows the last complete sweep." if result is not None else "No sweep ran to its end yet."
+    stopped = progress.stopped_notice(st, "patch", kept)
+    if result is None or (result["asked"] != asked and not stopped):
+        pair.markdown(topic.pair_header(om.label, asked[1], asked[2]))
         st.caption("Type a corrupt prompt of the clean one's length and press **Run the sweep**.")
         return
+    pair.markdown(topic.pair_header(om.label, result["asked"][1], result["asked"][2], result["summary"]["tokens"]))
     show(om, result)
 
 
@@ -60,18 +68,13 @@ def controls(om: AppModel) -> tuple:
 
 def run_sweep(om: AppModel, asked: tuple) -> None:
     _, clean, corrupt, sites, positions, target, contrast = asked
-    bar = st.progress(0.0, text="Patching…")
-
-    def on_cell(i: int, n: int) -> None:
-        bar.progress(i / n, text=f"Cell {i + 1} of {n}…")
-
     try:
-        result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
+        with progress.progress(st, "patch", "Patching…") as step:
+            on_cell = lambda i, n: step(i / n, f"Cell {i + 1} of {n}…")  # noqa: E731
+            result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
     except BAD_INPUT as exc:
         st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
-    finally:
-        bar.empty()
     st.session_state[RESULT] = {"asked": asked, "table": result.table, "summary": result.summary}
 
 
@@ -82,20 +85,13 @@ def show(om: AppModel, result: dict) -> None:
     cols[1].metric("Corrupt logit difference", f"{s['corrupt']['logit_diff']:+.3f}")
     cols[2].metric("Patched runs", f"{s['runs']}")
     cols[3].metric("Time", f"{s['seconds']:.1f} s")
-    labels = _labels(s)
     for site in s["sites"]:
-        got = topic.grid(table, site, s["tokens"])
-        if got is not None:
-            widgets.chart(topic.patching_figure(*got, labels, site), key=f"patch_fig_{site}")
+        fig = topic.map_figure(table, site, s)
+        if fig is not None:
+            widgets.chart(fig, key=f"patch_fig_{site}")
     widgets.table(st, table, "patching")
     widgets.csv_button(st, table, "patching.csv", "patch_csv")
     cell_view(om, result)
-
-
-def _labels(s: dict) -> list[str]:
-    """Position labels: the token, or clean → corrupt where the prompts differ."""
-    a, b = s["clean"]["tokens"], s["corrupt"]["tokens"]
-    return [f"{p} {x!r}" if x == y else f"{p} {x!r}→{y!r}" for p, (x, y) in enumerate(zip(a, b, strict=True))]
 
 
 def cell_view(om: AppModel, result: dict) -> None:

@@ -13,6 +13,7 @@ from app.core import settings
 from app.core.models import open_model
 from app.core.traces import TraceKey, store
 from app.topics import attribution as topic
+from app.topics.graph_nodes import Node
 from tests.app.test_app import APP, TIMEOUT, messages, shown_entry
 from tests.app.test_app_generation import checked as generation_checked
 from tests.app.test_app_generation import generate
@@ -126,6 +127,18 @@ def test_the_graph_is_drawn_on_request_and_thins_with_the_threshold(app):
         block = int(row.y0) // 2
         assert row.x0 in trace.site(block, "attn.indexer.topk_indices")[int(row.x1)].tolist()
     assert any("each stream's top 3 edges" in t for t in chart_titles(app))  # the default: each stream's largest
+    # a click on a diamond reruns the page (the chart selects points) and opens that block's heads into the position
+    (graph,) = [c for c in app.get("plotly_chart") if "Contribution graph into" in c.proto.spec]
+    assert list(graph.proto.selection_mode) and graph.proto.id
+    block = trace.config.n_layers - 1
+    app.session_state["attr_node"] = Node("attention", block, position)
+    checked(app.run())
+    strongest = int(abs(trace.site(block, "attn.attribution")).argmax())
+    assert app.selectbox(key="attr_node_pick").value == strongest
+    assert f"Head {block}:{strongest} wrote **" in messages(app.markdown)
+    app.session_state["attr_node"] = Node("ffn", block, position)
+    checked(app.run())
+    assert f"Expert {block}:" in messages(app.markdown) and "of the stream at position" in messages(app.markdown)
     app.session_state["attr_edges"] = "above a share"
     app.run()
     app.slider(key="attr_threshold").set_value(0.3).run()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from app.core import settings
 from tests.app.apptest import messages, raised_nothing, start
 from tests.app.test_app_interventions import chart_titles
 
@@ -28,6 +29,9 @@ def sweep(at: AppTest, clean: str, corrupt: str, sites: list[str]) -> AppTest:
 def test_a_sweep_draws_a_heat_map_per_site_and_compares_a_cell(app):
     sweep(app, "Anne had not seen Captain", "Anne had not seen Colonel", ["resid_pre", "ffn_out", "heads"])
     assert not app.error, messages(app.error)
+    header = messages(app.markdown[:1])  # the pair swept, not the sidebar's trace
+    assert "7 tokens" in header and "clean “Anne had not seen Captain” → corrupt “Anne had not seen Colonel”" in header
+    assert settings.DEFAULT_PROMPT not in messages(app.markdown)
     result = app.session_state["patch_result"]
     table, summary = result["table"], result["summary"]
     assert set(table["site"]) == {"resid_pre", "ffn_out", "heads"} and summary["differing_positions"] == [6]
@@ -50,3 +54,39 @@ def test_a_sweep_draws_a_heat_map_per_site_and_compares_a_cell(app):
 def test_a_sweep_that_cannot_run_is_one_error(app, clean, corrupt, message):
     sweep(app, clean, corrupt, ["resid_pre"])
     assert message in messages(app.error) and "patch_result" not in app.session_state
+
+
+@pytest.mark.parametrize("how", ["stop", "rerun"])
+def test_a_stopped_sweep_keeps_the_last_result_and_says_where_it_stopped(app, monkeypatch, how):
+    """Streamlit's Stop (nothing more is drawn in that run) and the bar's own Stop or any widget (the
+    page reruns at once) end a sweep at its next cell: the page then shows the last sweep that ended,
+    says at which cell the other stopped, and draws no bar."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+    from streamlit.runtime.scriptrunner_utils.script_requests import RerunData
+
+    import app.topics.patching_runs as runs
+
+    app.text_input(key="patch_positions").set_value("5:7")
+    sweep(app, "Anne had not seen Captain", "Anne had not seen Colonel", ["resid_pre"])
+    last = app.session_state["patch_result"]["table"]
+    real = runs.sweep
+
+    def stopped_at_cell_3(*args, on_cell, **kwargs):
+        def on(i: int, n: int) -> None:
+            if i == 2:
+                ctx = get_script_run_ctx()
+                if how == "stop":
+                    ctx.script_requests.request_stop()
+                else:
+                    ctx.script_requests.request_rerun(RerunData(page_script_hash=ctx.page_script_hash))
+            on_cell(i, n)
+
+        return real(*args, on_cell=on, **kwargs)
+
+    monkeypatch.setattr(runs, "sweep", stopped_at_cell_3)
+    at = sweep(app, "Anne had not seen Captain", "Anne had not seen Colonel", ["resid_pre", "ffn_out"])
+    if how == "stop":
+        raised_nothing(at.run())
+    assert "Stopped:** Cell 2 of 16." in messages(at.warning) and not at.get("progress"), messages(at.warning)
+    assert at.session_state["patch_result"]["table"].equals(last)
+    assert any("Patching the stream entering the block" in t for t in chart_titles(at))

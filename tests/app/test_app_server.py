@@ -37,9 +37,12 @@ def test_the_app_opens_on_the_server_and_traces_there(app, server, app_checkpoin
     caption = messages(app.sidebar.caption)
     assert f"model server {server}: 2 ranks on cpu" in caption
     assert "model held in memory (its part, " in caption and "a request reads nothing from disk" in caption
+    loaded = open_checkpoint(app_checkpoint)
+    own = min(loaded.model.args.max_seq_len, settings.max_tokens())  # the demo's 256, not the server's 4,096
+    assert f"the server takes prompts of up to {loaded.model.args.max_seq_len:,} tokens" in caption
+    assert app.text_area(key="prompt").help == f"Up to {own:,} tokens." and app.number_input(key="gen_tokens").max == own
     entry = shown_entry(app)
     assert entry.key.checkpoint == server
-    loaded = open_checkpoint(app_checkpoint)
     local = run(loaded.model, TraceRequest(prompt=settings.DEFAULT_PROMPT, record=("default",)), loaded.tokenizer)
     assert torch.equal(entry.trace["tokens"], local["tokens"])
     for name in ("layers.1.ffn.gate.topk_indices", "layers.2.attn.indexer.topk_indices", "next.topk_indices"):

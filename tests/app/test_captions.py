@@ -27,7 +27,7 @@ MOE = 1  # TINY's first MoE block
 
 @pytest.fixture(scope="module")
 def trace(tiny_model):
-    return run(tiny_model, TraceRequest(token_ids=TOKENS, record=("all",), attribute=True))
+    return run(tiny_model, TraceRequest(token_ids=TOKENS, record=("all", "flow"), attribute=True))
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +216,7 @@ def test_the_mtp_figure_greys_the_draft_the_rate_leaves_out():
             "mtp_draft": ["a", "b", "<b>x</b>", "d"],
             "mtp_draft_prob": [0.5, 0.4, 0.3, 0.2],
             "mtp_accepted": [True, True, False, True],
+            "mtp_verified": [False, True, True, True],
         }
     )
     drafts = generation.mtp_drafts(steps, start=3)
@@ -299,3 +300,60 @@ def test_the_pages_switch_the_first_token_out_of_their_scales(app_checkpoint, mo
     at.toggle(key="router_skip_first").set_value(True)
     at = raised_nothing(at.run())
     assert any("routed vs shared" in t and "position 0 left out" in t for t in titles())
+
+
+def test_a_notebook_draws_the_contribution_graph_and_a_patching_map(trace, tiny_model):
+    """app.plots outside the app: the contribution graph of a trace recorded with flow, and a patching
+    sweep's heat map from its table and summary, as the pages draw them."""
+    from tracing.analyses.patching import sweep
+
+    graph = plots.plot(trace, "contribution_graph", position=len(TOKENS) - 2, top=2)
+    assert f"into position {len(TOKENS) - 2}: each stream's top 2 edges" in graph.layout.title.text
+    assert kind(graph, "scatter", "attention") and kind(graph, "scatter", "FFN (experts)")
+    with pytest.raises(ValueError, match="position 99"):
+        plots.plot(trace, "contribution_graph", position=99)
+    clean, corrupt = TOKENS[:6], [*TOKENS[:5], 250]
+    requests = TraceRequest(token_ids=clean), TraceRequest(token_ids=corrupt)
+    swept = sweep(lambda r: run(tiny_model, r), *requests, sites=["heads"], positions="5:6")
+    fig = plots.patching_map(swept.table, "heads", swept.summary)
+    (heat,) = fig.data
+    assert heat.type == "heatmap" and len(heat.y) == TINY.n_layers and len(heat.x) == len(clean)
+    assert "→" in heat.x[-1] and "(head %{customdata})" in heat.hovertemplate
+    with pytest.raises(ValueError, match="no row of site 'experts'"):
+        plots.patching_map(swept.table, "experts", swept.summary)
+
+
+def test_a_click_on_the_graph_opens_a_heads_or_an_experts_detail(trace):
+    """The graph's diamonds and squares carry their node; the browser's selection of one reads back as it,
+    and the node's detail holds each head's part, sources and dropped keys, each expert's share, part and
+    lens, as the trace recorded them at the attributed position (NaN elsewhere)."""
+    from app.topics import graph_nodes
+
+    position = trace.extra["attribution"]["position"]
+    fig = attribution.flow_figure(attribution.flow_graph(trace, position), position_labels(trace), position)
+    (diamonds,) = kind(fig, "scatter", "heads (click)")
+    (squares,) = kind(fig, "scatter", "FFN (experts)")
+    clicks = [{"curve_number": 0, "point_index": 0, "x": "0"}, {"customdata": ["attention", 99, 0]}]  # an edge, a forged node
+    assert graph_nodes.picked(clicks, trace) is None
+    head_node = next(
+        n
+        for n in (graph_nodes.picked([{"customdata": list(d)}], trace) for d in diamonds.customdata)
+        if n.position == position and n.block == MOE
+    )
+    heads = graph_nodes.heads(trace, head_node)
+    parts = trace.site(MOE, "attn.attribution").double().numpy()
+    assert sorted(heads["part"]) == pytest.approx(sorted(parts)) and abs(heads["part"][0]) == pytest.approx(abs(parts).max())
+    assert heads["sources"][0] and heads["dropped_keys"].notna().all()
+    assert graph_nodes.keys(trace, head_node)["share"].sum() == pytest.approx(1.0, abs=1e-5)
+    ffn_node = next(
+        n
+        for n in (graph_nodes.picked([{"customdata": list(d)}], trace) for d in squares.customdata)
+        if n.position == position and n.block == MOE
+    )
+    experts = graph_nodes.experts(trace, ffn_node)
+    routed = experts[experts["expert"] >= 0]
+    ffn = trace.site(MOE, "ffn.attribution").double().numpy()
+    assert len(routed) and list(routed["part"]) == pytest.approx([ffn[e] for e in routed["expert"]])
+    assert routed["promotes"].str.len().gt(0).all()
+    elsewhere = graph_nodes.Node("ffn", MOE, position - 1)
+    assert graph_nodes.experts(trace, elsewhere)["part"].isna().all() and graph_nodes.heads(trace, elsewhere)["part"].isna().all()

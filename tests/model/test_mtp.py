@@ -167,6 +167,9 @@ def test_a_generation_drafts_from_the_token_just_chosen_and_counts_acceptance(mt
     for p in range(2, len(ids)):
         assert steps["mtp_draft_id"][p] == int(top[p - 2, 0])
         assert bool(steps["mtp_accepted"][p]) == (int(top[p - 2, 0]) == ids[p])
+    counted = steps[steps["mtp_verified"]]  # one count: the summary's drafts are the table's verified rows
+    assert list(counted["position"]) == list(range(start + 1, len(ids)))
+    assert (len(counted), int(counted["mtp_accepted"].sum())) == (got["drafts"], got["accepted"])
 
 
 def test_one_threads_hooks_leave_another_threads_forward(mtp_model):

@@ -6,6 +6,7 @@ import shutil
 
 import pandas as pd
 import pytest
+import torch
 
 from model import TINY
 from model.checkpoint import save_checkpoint
@@ -65,11 +66,21 @@ def test_two_seeds_differ_block_by_block_and_position_by_position(checkpoints):
     assert (blocks["keys_jaccard"] < 1).any() and blocks["lens_top1_changed_share"].notna().all()
     assert len(logits) == n_tokens and (logits["kl"] > 0).all()
     assert len(tables["attention"]) == len(tables["indexer_keys"]) == TINY.n_layers * n_tokens
+    # a share of attention on the other's keys is defined where its indexer drops a key the query sees,
+    # the same rows in the table and in the block means, and it is a share: never above 1
+    att = tables["attention"]
+    for share, dropped in (("a_on_keys_b", "keys_dropped_b"), ("b_on_keys_a", "keys_dropped_a")):
+        kept_all = att[dropped] == 0
+        assert list(kept_all) == list(att["position"] < TINY.index_topk), share
+        assert att.loc[kept_all, share].isna().all() and att.loc[~kept_all, share].between(0, 1).all()
+        means = att[~kept_all].groupby("block")[share].mean()
+        assert blocks.set_index("block")[share].to_numpy() == pytest.approx(means.to_numpy())
 
 
 def test_the_same_checkpoint_twice_agrees_everywhere(capsys, checkpoints, tmp_path):
     one = checkpoints["one"]
-    out, csv = tmp_path / "traces", tmp_path / "tables"
+    out = tmp_path / "traces"
+    csv = out / "tables"  # the documented form: the tables inside the new --out-dir
     assert (
         main(
             [
@@ -163,3 +174,25 @@ def test_one_model_in_memory_at_a_time(checkpoints, monkeypatch):
     monkeypatch.setattr(loading, "open_checkpoint", counted)
     trace_checkpoints(checkpoints["one"], checkpoints["two"], TraceRequest(prompt=PROMPT))
     assert len(alive) == 2 and alive[1] == alive[0]  # other tests' models may be alive: none of ours
+
+
+def test_convert_writes_the_v3_layout_copy_of_a_checkpoint(capsys, checkpoints, tmp_path):
+    """``convert --layout v3`` of the seed-1 checkpoint is the seed-1 checkpoint made in V3's layout:
+    the same tensors less the indexer's, the norm gains in bfloat16, a config of model_type
+    deepseek_v3; it refuses a DST that exists and a source already in that layout."""
+    from model.checkpoint import SafetensorsSource
+
+    dst = tmp_path / "made" / "v3"
+    assert main(["convert", "--layout", "v3", str(checkpoints["one"]), str(dst)]) == 0
+    line = json.loads(capsys.readouterr().out)
+    made, want = SafetensorsSource(dst), SafetensorsSource(checkpoints["v3"])
+    assert line["model_type"] == made.args.model_type == "deepseek_v3" and not made.args.has_indexer
+    assert line["dropped"] == len(SafetensorsSource(checkpoints["one"]).weight_map) - len(made.weight_map) > 0
+    assert made.args == want.args and set(made.weight_map) == set(want.weight_map)
+    for name in want.weight_map:
+        a, b = made.load(name), want.load(name)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert (dst / "tokenizer.json").read_bytes() == (checkpoints["one"] / "tokenizer.json").read_bytes()
+    assert "exists; convert writes a new directory" in refused(capsys, "convert", "--layout", "v3", checkpoints["one"], dst)
+    assert "already in DeepSeek-V3's layout" in refused(capsys, "convert", "--layout", "v3", dst, tmp_path / "again")
+    assert not (tmp_path / "again").exists() and sorted(p.name for p in (tmp_path / "made").iterdir()) == ["v3"]

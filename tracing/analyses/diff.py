@@ -27,6 +27,7 @@ from ..trace import Trace
 
 _STREAM = ("resid_pre", "resid_mid", "resid_post")
 _ROWS = 64  # positions of logits compared at once
+SHARES = {"a_on_keys_b": "keys_dropped_b", "b_on_keys_a": "keys_dropped_a"}  # a share and the queries it is defined at
 
 
 def check_shapes(a: ModelArgs, b: ModelArgs, what: str = "the traces come from models") -> None:
@@ -149,13 +150,29 @@ def _selected(trace: Trace, block: int, rows: np.ndarray) -> torch.Tensor | None
     return None if keys is None else keys[rows]
 
 
+def _share_on(p: torch.Tensor, keys: torch.Tensor | None, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows,) the share of each query's attention ``p`` (T, S) on the selected ``keys``, and how many
+    keys the query sees that the selection drops. The share is of the row's own mass: the recorded
+    probabilities are rounded (bfloat16 in the model), so a row sums to 1 only within about 1e-3,
+    and a sum over all its keys would read 1.001. NaN where no key is dropped (1 by construction: a
+    query with no more keys than index_topk keeps every one) and where there is no indexer."""
+    if keys is None:
+        return np.full(len(positions), np.nan), np.full(len(positions), -1)
+    mask = _key_mask(keys, p.shape[-1])  # (T, S)
+    visible = torch.arange(p.shape[-1]) <= torch.as_tensor(positions)[:, None]  # causal: keys 0..q
+    dropped = (visible & ~mask).sum(-1).numpy()
+    share = ((p * mask).sum(-1) / p.sum(-1)).numpy()  # a part over its whole: never above 1
+    return np.where(dropped > 0, share, np.nan), dropped
+
+
 def attention_diff(a: Trace, b: Trace) -> pd.DataFrame:
     """Per block and query position, how the attention mass over the keys moved (mean over heads,
     ``attn.probs_mean``): the total variation ``attn_tv`` = ½ Σ_s |p_a(s) − p_b(s)| (0: the same
     mass on every key, 1: disjoint keys), the key each run reads most, and the share of one run's
     mass on the keys the other's indexer selected (``a_on_keys_b``: how much of a's attention b's
-    sparse attention can see; NaN where b has no indexer). Dense and sparse attention compare alike:
-    both are distributions over the visible keys."""
+    sparse attention can see), defined only for the queries where that indexer drops a key
+    (``keys_dropped_b`` of them; NaN elsewhere, and where b has no indexer). Dense and sparse attention
+    compare alike: both are distributions over the visible keys."""
     frames = []
     ia, ib = _rows(a, b)
     where = _positions(a, b, ia, ib)
@@ -172,11 +189,11 @@ def attention_diff(a: Trace, b: Trace) -> pd.DataFrame:
             "top_key_a": x.argmax(-1).numpy(),
             "top_key_b": y.argmax(-1).numpy(),
         }
-        for name, p, keys in (
-            ("a_on_keys_b", x, _selected(b, i, ib)),
-            ("b_on_keys_a", y, _selected(a, i, ia)),
+        for name, p, keys, other in (
+            ("a_on_keys_b", x, _selected(b, i, ib), "b"),
+            ("b_on_keys_a", y, _selected(a, i, ia), "a"),
         ):
-            frame[name] = np.full(len(ia), np.nan) if keys is None else (p * _key_mask(keys, p.shape[-1])).sum(-1).numpy()
+            frame[name], frame[f"keys_dropped_{other}"] = _share_on(p, keys, ia)
         frame["token_b"], frame["same_token"] = where["token_b"], where["same_token"]
         frames.append(pd.DataFrame(frame).assign(changed=lambda f: f.top_key_a != f.top_key_b))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -242,6 +259,8 @@ def per_block(tables: dict[str, pd.DataFrame], n_layers: int) -> pd.DataFrame:
             continue
         if name == "stream":
             frame = frame[frame["site"] == "resid_post"]
+        if column in SHARES:  # the queries where the indexer drops a key: elsewhere the share is 1 by construction
+            frame = frame[frame[SHARES[column]] != 0]
         # numpy's, not pandas': a NaN at one position leaves the block's figure NaN, not the others' mean
         out[label] = frame.groupby("block")[column].agg(lambda v, how=how: how(v.to_numpy(dtype=np.float64)))
     return out.reset_index()

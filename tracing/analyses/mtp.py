@@ -35,11 +35,22 @@ def drafted(top: torch.Tensor | np.ndarray, probs: torch.Tensor | np.ndarray | N
     return ids, p
 
 
+def verified(n_tokens: int, start: int | None) -> np.ndarray:
+    """Per position: whether its draft is one a speculative decoder verifies, the one definition of
+    the acceptance: the generated tokens after the first (positions start + 1 ..), whose row read a
+    generated token. The first generated token's draft read the prompt only, and no decoder checks a
+    prompt token's; ``start`` None: no generation, no verified draft."""
+    marked = np.zeros(n_tokens, dtype=bool)
+    if start is not None:
+        marked[max(start + 1, 2) :] = True
+    return marked
+
+
 def acceptance(tokens: list[int], top: torch.Tensor | np.ndarray, start: int) -> dict:
-    """The drafts of the generated tokens after the first (positions start + 1 ..): how many, how
+    """The verified drafts (:func:`verified`; the steps table's ``mtp_verified`` rows): how many, how
     many equal the token the model chose, and their share (None when there were none)."""
     ids, _ = drafted(top)
-    positions = range(max(start + 1, 2), len(tokens))
+    positions = np.flatnonzero(verified(len(tokens), start))
     accepted = sum(int(ids[p] == tokens[p]) for p in positions)
     n = len(positions)
     return {"drafts": n, "accepted": accepted, "rate": round(accepted / n, 6) if n else None}

@@ -1,4 +1,5 @@
-"""python -m tracing {run, export, info, eval, diff, atlas}: the command line of docs/architecture.md (Contracts).
+"""python -m tracing {run, diff, export, info, eval, atlas, patching, plan, serve, convert}: the command
+line of docs/architecture.md (Contracts).
 
 Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
 leaves no partial output file behind (outputs are written to a temporary name, then renamed); so
@@ -19,7 +20,7 @@ from model.config import ConfigError
 from ..errors import InputError
 from ..tokenizer import TokenizerError
 from ..trace import TraceError
-from . import atlas, diff, export, info, patching, plan, run, serve
+from . import atlas, convert, diff, export, info, patching, plan, run, serve
 from . import eval as evaluate
 from .inputs import Parser
 
@@ -41,7 +42,7 @@ def _leave_process_group() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m tracing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (run, diff, export, info, evaluate, atlas, patching, plan, serve):  # the order --help lists them in
+    for command in (run, diff, export, info, evaluate, atlas, patching, plan, serve, convert):  # the order --help lists them in
         command.add_parser(sub)
     return parser
 

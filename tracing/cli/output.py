@@ -2,7 +2,9 @@
 
 Everything one command writes (a trace file and its CSV directory, say) is staged under temporary
 names beside the targets and moved into place only once all of it is complete; any failure
-removes the staged files and the directories made for them. An existing regular file is replaced;
+removes the staged files and the directories made for them. A directory inside another new one
+(``--out-dir X --csv X/tables``) is staged within that one's staging and arrives with it. An existing
+regular file is replaced;
 anything else at a target path (a symlink, FIFO, device, directory) is refused rather than
 silently turned into a regular file. Every failure is an ``OutputError``: one line naming the path
 and the operating system's reason, which the command line reports with exit status 2.
@@ -112,8 +114,9 @@ def _new_dir(path: Path) -> None:
 class TableDir:
     """A directory being staged: files written here go into ``target`` on commit."""
 
-    def __init__(self, target: Path, staging: Path, fresh: bool, stale: frozenset[str]):
+    def __init__(self, target: Path, staging: Path, fresh: bool, stale: frozenset[str], within: bool = False):
         self.target, self.staging, self.fresh, self.stale = target, staging, fresh, stale
+        self.within = within  # staged inside another new directory's staging: it arrives with that one
         self.names: list[str] = []
 
     def write(self, name: str, fill: Callable[[Path], object]) -> Path:
@@ -187,6 +190,16 @@ class Outputs:
         removed, so the directory holds only this write's files of those names."""
         path = check_directory(path)
         self._claim(path)
+        outer = self._new_dir_holding(path)
+        if outer is not None:  # --out-dir X --csv X/tables, X new: the tables are staged in X's staging
+            staging = outer.staging / Path(os.path.abspath(path)).relative_to(os.path.abspath(outer.target))
+            try:
+                staging.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(f"{path}: cannot write ({_reason(exc)})") from None
+            staged = TableDir(path, staging, True, frozenset(stale), within=True)
+            self._dirs.append(staged)
+            return staged
         fresh = not path.exists()
         if fresh:
             self._parents(path)
@@ -199,9 +212,19 @@ class Outputs:
         self._dirs.append(staged)
         return staged
 
+    def _new_dir_holding(self, path: Path) -> TableDir | None:
+        """The new directory staged here that ``path`` lies inside, if any."""
+        where = Path(os.path.abspath(path))
+        for staged in self._dirs:
+            if staged.fresh and not staged.within and where.is_relative_to(os.path.abspath(staged.target)):
+                return staged
+        return None
+
     def _check(self) -> None:
         """Everything that can be checked before the first move, so a refusal moves nothing."""
         for staged in self._dirs:
+            if staged.within:
+                continue
             if staged.fresh:
                 if _lstat(staged.target) is not None:
                     raise OutputError(f"{staged.target}: appeared while writing; not replacing it")
@@ -220,6 +243,8 @@ class Outputs:
         placed: list[Path] = []  # new entries, removed again if a later move fails
         try:
             for staged in self._dirs:
+                if staged.within:
+                    continue
                 if staged.fresh:
                     _move(staged.staging, staged.target)
                     placed.append(staged.target)

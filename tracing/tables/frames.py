@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from ..analyses.margins import NEAR_TIE
-from ..analyses.mtp import drafted
+from ..analyses.mtp import drafted, verified
 from ..sites import part_name
 from ..trace import Trace
 from .grid import index_grid
@@ -76,6 +76,7 @@ def steps_table(trace: Trace) -> pd.DataFrame:
         frame["mtp_accepted"] = pd.array(
             [None if i < 0 else bool(i == t) for i, t in zip(ids, chosen, strict=True)], dtype="boolean"
         )
+        frame["mtp_verified"] = verified(trace.n_tokens, trace.extra.get("generation", {}).get("start"))
     return pd.DataFrame(frame)
 
 
