@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import numpy as np
 import pandas as pd
@@ -156,36 +155,28 @@ def test_the_loss_of_an_intervention_is_paired_and_past_index_topk_holds_all_of_
     assert table.loc["difference", "mean"] != 0 and past["ci_low"] <= past["mean"] <= past["ci_high"]
 
 
-def test_the_commands_write_their_tables_and_refuse_a_bad_line(app_checkpoint, tmp_path, capsys):
+def test_the_commands_refuse_a_bad_line_and_write_the_causal_tables(app_checkpoint, tmp_path, capsys):
+    """(patching --pairs and eval --prompts write theirs in tests/tracing/test_server_commands.py, here and on a server)"""
     pairs, prompts = tmp_path / "pairs.jsonl", tmp_path / "prompts.txt"
-    pairs.write_bytes(jsonl(PAIRS[:2]))
+    pairs.write_bytes(jsonl(PAIRS[:1]) + b'{"clean": 1, "corrupt": "x"}\n')
     prompts.write_text("\n".join(PROMPTS), encoding="utf-8")
     base = ["--checkpoint", app_checkpoint]
-    out = tmp_path / "sweep"
-    argv = ["patching", *base, "--pairs", str(pairs), "--sites", "resid_pre", "--positions", "last", "--out", str(out)]
-    assert main(argv) == 0
-    mean, each = pd.read_csv(out / "patching_mean.csv"), pd.read_csv(out / "patching_pairs.csv")
-    assert len(mean) == len(each) / 2 and set(each["line"]) == {1, 2}
-    assert json.loads((out / "summary.json").read_text())["pairs"] == 2 and (each["value"] <= 1.5).all()
-    assert main([*argv[:-1], str(tmp_path / "x"), "--clean", "a"]) == 2
-    assert "--pairs and --clean exclude each other" in capsys.readouterr().err
-    pairs.write_bytes(jsonl(PAIRS[:1]) + b'{"clean": 1, "corrupt": "x"}\n')
-    assert main([*argv[:-1], str(tmp_path / "x")]) == 2
+    argv = ["patching", *base, "--pairs", str(pairs), "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "pairs.jsonl line 2: 'clean' must be a non-empty string" in err and err.count("\n") == 1
-    assert not (tmp_path / "x").exists()
+    assert main([*argv, "--clean", "a"]) == 2
+    assert "--pairs and --clean exclude each other" in capsys.readouterr().err
+    assert main(["eval", *base, "--prompts", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
     csv = tmp_path / "causal"
     assert main(["run", *base, "--prompts", str(prompts), "--attribute", "--causal", "2", "--csv", str(csv)]) == 0
     summary = pd.read_csv(csv / "causal_summary.csv").set_index("measure")
-    per_prompt = pd.read_csv(csv / "causal.csv").groupby("line")["correlation"].first()
-    assert summary.loc["correlation", "mean"] == pytest.approx(per_prompt.mean()) and (csv / "causal_parts.csv").exists()
+    each = pd.read_csv(csv / "causal.csv")
+    assert summary.loc["correlation", "mean"] == pytest.approx(each.groupby("line")["correlation"].first().mean())
+    parts = pd.read_csv(csv / "causal_parts.csv")
+    assert parts["n"].sum() == len(each) == 4 and summary.loc["sign_agreement", "n"] == 2
     assert "correlation of attributed and measured" in capsys.readouterr().err
     assert main(["run", *base, "--prompts", str(prompts), "--attribute", "--csv", str(csv)]) == 2
     assert "--prompts applies to --attribute --causal N" in capsys.readouterr().err
-
-    assert main(["eval", *base, "--prompts", str(prompts), "--dense-attention"]) == 0
-    line = json.loads(capsys.readouterr().out)
-    assert line["prompts"] == 2 and line["interventions"] == {"attention": "dense"}
-    assert line["difference"]["mean"] == 0 and line["difference_past_topk"]["n"] == 0  # shorter than index_topk
-    assert math.isfinite(line["nll"]["ci_low"]) and line["nll"]["ci_low"] <= line["nll"]["mean"] <= line["nll"]["ci_high"]
