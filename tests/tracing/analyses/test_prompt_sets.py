@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -98,6 +99,9 @@ def test_pairs_and_prompts_read_from_jsonl_csv_and_lines():
     ]
     csv = b'clean,corrupt,target\r\n"a, b",c d,\r\n\r\nx,y,7\r\n'
     assert sets.parse_pairs(csv, "p.csv") == [sets.Pair(1 + 1, "a, b", "c d"), sets.Pair(4, "x", "y", "7")]
+    docs = Path(__file__).resolve().parents[3] / "docs" / "examples"  # the docs' sets read as they say
+    assert len(sets.parse_pairs((docs / "name_pairs.jsonl").read_bytes(), "name_pairs.jsonl")) == 10
+    assert len(sets.parse_prompts((docs / "heldout_passages.jsonl").read_bytes(), "heldout_passages.jsonl")) == 10
     text = "\ufeffone prompt\n\n two \n".encode()
     assert sets.parse_prompts(text, "p.txt") == [sets.Prompt(1, "one prompt"), sets.Prompt(3, " two ")]
 
