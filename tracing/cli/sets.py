@@ -49,14 +49,14 @@ def read_set(path: str, parse: Callable[[bytes, str], list]) -> list:
 
 def progress(what: str, count: int) -> tuple[Callable[[int, int], None], ProgressBar]:
     """The project's progress bar over a set's items (``on_item(i, n)`` before item i)."""
+    unit = "pairs" if what == "patching" else "prompts"
     bar = ProgressBar(count, enabled=sys.stderr.isatty())
-    print(f"{what}: {count} {'pair' if what == 'patching' else 'prompt'}{'s' if count != 1 else ''}", file=sys.stderr)
-    return (lambda i, n: bar.update(i, "done")), bar
+    print(f"{what}: {count} {unit}", file=sys.stderr)
+    return (lambda i, n: bar.update(i, unit)), bar
 
 
 def _finished(bar: ProgressBar) -> None:
     bar.update(bar.total, "done")
-    bar.close()
 
 
 def interval(row) -> str:
@@ -77,9 +77,12 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     given = [f"--{flag}" for flag in ("clean", "clean_ids", "corrupt", "corrupt_ids") if getattr(args, flag) is not None]
     if given:
         raise InputError(f"--pairs and {given[0].replace('_', '-')} exclude each other: the pairs come from the file")
+    if args.synthetic is not None:
+        raise InputError("--pairs holds text, and synthetic weights have no tokenizer: give --checkpoint or --server")
     check_directory(args.out)
     parse_sites(args.sites)
     pairs = read_set(args.pairs, parse_pairs)
+    method = {"method": args.method} if getattr(args, "method", None) is not None else {}  # the sweep's, where it has one
     run, tokenizer, close = _runner(args, True)
     on_pair, bar = progress("patching", len(pairs))
     try:
@@ -96,6 +99,7 @@ def cmd_pairs(args: argparse.Namespace) -> int:
             positions=args.positions,
             max_runs=args.max_runs,
             token_id=lambda flag, value: token_id(flag, value, tokenizer),
+            **method,
         )
         _finished(bar)
     finally:
