@@ -8,6 +8,8 @@ traces); the session keeps the table and summary of its last sweep."""
 
 from __future__ import annotations
 
+import hashlib
+
 import streamlit as st
 
 from app.core.errors import BAD_INPUT
@@ -16,6 +18,7 @@ from app.topics import patching as topic
 from app.topics import patching_runs as runs
 from app.ui import comparison, widgets
 from tracing.analyses.patching import SITES, Cell
+from tracing.analyses.prompt_sets import MAX_BYTES
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
 PAIRS = "patch_pairs_result"  # {"asked": what was swept, "table": the means, "each": every pair's rows, "summary": dict}
@@ -133,10 +136,6 @@ def cell_view(om: AppModel, result: dict) -> None:
 def pairs_section(om: AppModel, asked: tuple) -> None:
     """A file of pairs swept with the sites, positions, target and contrast above: per cell the mean
     over the pairs with its 95% bootstrap interval (the pairs resampled), and every pair's rows."""
-    import hashlib
-
-    from tracing.analyses.prompt_sets import MAX_BYTES
-
     st.subheader("A set of pairs", anchor=False)
     upload = st.file_uploader(
         "Pairs file",
@@ -150,7 +149,7 @@ def pairs_section(om: AppModel, asked: tuple) -> None:
         st.caption("One pair proves little: drop a file of pairs to sweep each and see every cell's mean with its interval.")
         return
     data = upload.getvalue()
-    key = (hashlib.sha256(data).hexdigest(), *asked[:1], *asked[3:])  # the file and the sweep's settings
+    key = (hashlib.sha256(data).hexdigest(), om.key, *asked[3:])  # the file, the model and the sweep's settings
     if st.button("Sweep every pair", key="patch_pairs_run", icon=":material/play_arrow:"):
         _, _, _, sites, positions, target, contrast = asked
         bar = st.progress(0.0, text="Patching the pairs…")

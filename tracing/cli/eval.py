@@ -48,7 +48,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..analyses.evaluate import evaluate
 
     if args.server is not None and args.text_file is not None:
-        raise InputError(f"{WHOLE_TEXT}")
+        raise InputError(WHOLE_TEXT)
     if (args.server is None) == (args.checkpoint is None):
         raise InputError("give --checkpoint DIR or --server URL (one of them)")
     if args.prompts is not None:

@@ -184,3 +184,27 @@ def test_the_commands_refuse_a_bad_line_and_write_the_causal_tables(app_checkpoi
     assert "correlation of attributed and measured" in capsys.readouterr().err
     assert main(["run", *base, "--prompts", str(prompts), "--attribute", "--csv", str(csv)]) == 2
     assert "--prompts applies to --attribute --causal N" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 45 s on two shared cores: the figures docs/cli.md and docs/attribution.md give
+def test_the_docs_figures_on_the_demo(tmp_path, capsys):
+    from tests.devcheckpoint import demo_available
+
+    if not demo_available():
+        pytest.skip("the bundled demo checkpoint is absent")
+    docs = Path(__file__).resolve().parents[3] / "docs" / "examples"
+    passages = str(docs / "heldout_passages.jsonl")
+    lines = []
+    for flags in (["--dense-attention"], ["--index-topk", "16"]):
+        assert main(["eval", "--checkpoint", "demo", "--prompts", passages, *flags]) == 0
+        lines.append(json.loads(capsys.readouterr().out))
+    dense, sixteen = lines
+    assert dense["tokens"] == 1067 and dense["past_topk_tokens"] == 427
+    assert dense["difference_past_topk"]["ci_low"] < 0 < dense["difference_past_topk"]["ci_high"]
+    assert round(sixteen["difference"]["mean"], 3) == 0.051 and sixteen["difference_past_topk"]["ci_low"] > 0
+    out = tmp_path / "pairs"
+    argv = ["patching", "--checkpoint", "demo", "--pairs", str(docs / "name_pairs.jsonl"), "--positions", "last"]
+    assert main([*argv, "--sites", "resid_pre,attn_out,ffn_out,heads", "--out", str(out)]) == 0
+    mean = pd.read_csv(out / "patching_mean.csv").set_index(["site", "block", "index"])["mean"]
+    assert round(mean[("ffn_out", 0, -1)], 3) == 0.992 and round(mean[("ffn_out", 1, -1)], 3) == 0.206
+    assert mean.loc[["heads", "attn_out"]].abs().max() < 0.006
