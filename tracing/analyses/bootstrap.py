@@ -30,12 +30,18 @@ SEED = 0  # a fixed default: two runs of one command give one interval
 LEVEL = 0.95
 COLUMNS = ["n", "mean", "ci_low", "ci_high"]
 _CELLS = 1 << 22  # draws x statistics formed at once (32 MiB of float64)
+MAX_COUNTS = 1 << 24  # draws x prompts held at once (128 MiB of float64): 10,000 draws of 1,677 prompts
 
 
-def check(resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL) -> None:
-    """Refuse settings the bootstrap cannot use, before any model runs."""
+def check(resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL, prompts: int = 1) -> None:
+    """Refuse settings the bootstrap cannot use, before any model runs (``prompts``: the set's size)."""
     if isinstance(resamples, bool) or not isinstance(resamples, int) or not 1 <= resamples <= MAX_RESAMPLES:
         raise InputError(f"--resamples {resamples}: give 1 to {MAX_RESAMPLES:,} draws")
+    if resamples * prompts > MAX_COUNTS:
+        raise InputError(
+            f"--resamples {resamples:,} draws of {prompts:,} prompts exceed what the bootstrap holds "
+            f"({MAX_COUNTS:,} counts): give --resamples {MAX_COUNTS // prompts:,} or fewer"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed <= SEEDS[1]:
         raise InputError(f"--bootstrap-seed {seed}: must be between {SEEDS[0]} and {SEEDS[1]}")
     if not 0 < level < 1:
@@ -56,10 +62,10 @@ def bootstrap(
     that mean. ``weights`` (prompts, or prompts x statistics; default 1) weigh each prompt's value,
     e.g. its number of positions, so the mean is per position while the prompt stays the unit
     drawn. A draw that takes none of a statistic's prompts is left out of its percentiles."""
-    check(resamples, seed, level)
     x = np.asarray(values, dtype=np.float64)
     x = x[:, None] if x.ndim == 1 else x  # (n, k)
     n, k = x.shape
+    check(resamples, seed, level, n)
     w = np.ones_like(x) if weights is None else np.broadcast_to(np.asarray(weights, dtype=np.float64).reshape(n, -1), x.shape)
     if not np.isfinite(w).all() or (w < 0).any():
         raise InputError("bootstrap: weights must be finite and not negative")

@@ -201,9 +201,9 @@ def patching_over_pairs(
     corrupt logit differences are equal has no ``value`` (0/0) and takes no part in the means."""
     from .patching import SITES, sweep
 
-    check(resamples, seed)
     if not pairs:
         raise InputError("no pairs to patch")
+    check(resamples, seed, prompts=len(pairs))
     if n_tokens is not None:
         _check_lengths(pairs, request, n_tokens)
     if (resolve := sweep_options.get("token_id")) is not None:  # every line's tokens, before the first sweep
@@ -330,7 +330,7 @@ def causal_over_prompts(
     interval (such a part's mean is over the prompts that chose it: read its ``n``)."""
     from .causal import causal_check
 
-    check(resamples, seed)
+    check(resamples, seed, prompts=len(prompts))
     if not template.attribute:
         raise InputError("--causal applies to --attribute: the check removes the attribution's parts")
     if not prompts:
@@ -426,9 +426,9 @@ def loss_over_prompts(
     bound to N). Each prompt weighs by its positions; the prompts
         are the unit drawn. ``table``: one row per measure (``nll``, ``nll_changed``, ``difference``,
         each also ``_past_topk``) with ``n`` prompts, ``tokens``, ``mean``, ``ci_low``, ``ci_high``."""
-    check(resamples, seed)
     if not prompts:
         raise InputError("no prompts to score")
+    check(resamples, seed, prompts=len(prompts))
     template = template or TraceRequest(prompt="-")
     started, rows, topk = time.perf_counter(), [], None
     for i, prompt in enumerate(prompts):

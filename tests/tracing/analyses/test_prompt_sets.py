@@ -65,6 +65,8 @@ def test_the_interval_is_seeded_holds_the_mean_and_weighs_prompts_by_positions()
     assert single["ci_low"][0] == single["ci_high"][0] == pytest.approx(0.3)
     with pytest.raises(InputError, match="--resamples"):
         bootstrap(values, resamples=0)
+    with pytest.raises(InputError, match="give --resamples 8,388 or fewer"):  # bounded before any draw
+        bootstrap(np.zeros(2000), resamples=10_000)
 
 
 @pytest.mark.parametrize(
