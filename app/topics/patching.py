@@ -72,6 +72,17 @@ def map_figure(table: pd.DataFrame, site: str, summary: dict) -> go.Figure | Non
     return None if got is None else patching_figure(*got, position_labels(summary), site)
 
 
+def mean_grid(table: pd.DataFrame, tokens: int | None) -> tuple[pd.DataFrame, int, list[str]]:
+    """A pairs file's means (tracing.analyses.prompt_sets) as :func:`grid` reads a sweep: ``value`` the
+    mean, at the absolute position where every pair has one length (``tokens``), else counted from
+    the end (labels -3, -2, -1); returns (the frame, the positions, their labels)."""
+    frame = table.rename(columns={"mean": "value"})
+    if tokens is not None:
+        return frame, tokens, [str(p) for p in range(tokens)]
+    width = int(-table["from_end"].min()) if len(table) else 0
+    return frame.assign(position=frame["from_end"] + width), width, [str(p - width) for p in range(width)]
+
+
 # the Patching page's session keys (app.core.session assembles every page's into its schema)
 KEYS: tuple[Key, ...] = (
     Key("patch_clean", "Patching: the clean prompt", kept=True, link=text(LONGEST)),
@@ -85,6 +96,12 @@ KEYS: tuple[Key, ...] = (
     Key("patch_csv", "Patching: the table's CSV download"),
     Key("patch_cell", "Patching: the cell whose patched run is compared with the corrupt run"),
     Key("patch_fig_", "Patching: a site's heat map (the site)", family=True),
+    Key("patch_pairs_file", "Patching: the uploaded file of pairs"),
+    Key("patch_pairs_run", "Patching: the button that sweeps every pair of the file"),
+    Key("patch_pairs_result", "Patching: the last file's sweeps, {asked, table, each, summary}"),
+    Key("patch_pairs_csv", "Patching: the means' CSV download"),
+    Key("patch_pairs_each_csv", "Patching: every pair's rows, CSV download"),
+    Key("patch_pairs_fig_", "Patching: a site's heat map of the means over the pairs (the site)", family=True),
 )
 
 

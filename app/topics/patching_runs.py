@@ -1,5 +1,6 @@
 """The Patching page's runs as plain functions over an AppModel: a sweep of a clean and a corrupt prompt
-(tracing.analyses.patching), and one cell's patched run beside the corrupt run, for the two-run
+(tracing.analyses.patching), the sweeps of an uploaded file of pairs with each cell's mean and interval
+(tracing.analyses.prompt_sets), and one cell's patched run beside the corrupt run, for the two-run
 comparison. The page lays these out; nothing here draws."""
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from collections.abc import Callable, Sequence
 from app.core.models import AppModel
 from app.core.traces import Entry, request_for, token_limit, token_of, trace_prompt
 from tracing.analyses.patching import Cell, Sweep, patch_of, record_for, sweep
+from tracing.analyses.prompt_sets import SetResult, parse_pairs, patching_over_pairs
 from tracing.errors import InputError
 
 MAX_RUNS = 3000  # one forward each: a sweep larger than this is refused before it starts
+MAX_PAIRS = 100  # a file's pairs, each a sweep: more wait on the command line (patching --pairs)
 
 
 def run_sweep(
@@ -41,6 +44,39 @@ def run_sweep(
         max_runs=MAX_RUNS,
         token_id=lambda flag, value: token_of(om, flag, value),
         on_cell=on_cell,
+    )
+
+
+def run_pairs(
+    om: AppModel,
+    data: bytes,
+    name: str,
+    sites: Sequence[str],
+    positions: str = "all",
+    target: str = "",
+    contrast: str = "",
+    on_pair: Callable[[int, int], None] | None = None,
+) -> SetResult:
+    """Every pair of an uploaded file (JSONL or CSV with clean and corrupt, tracing.analyses.prompt_sets)
+    swept as :func:`run_sweep` sweeps one, and per cell the mean over the pairs with its bootstrap interval.
+    The file is read, every pair's length and tokens checked, before the first sweep."""
+    if not sites:
+        raise InputError("choose at least one site to patch")
+    pairs = parse_pairs(data, name)
+    if len(pairs) > MAX_PAIRS:
+        raise InputError(f"{name}: {len(pairs)} pairs, more than the app sweeps ({MAX_PAIRS}): use patching --pairs")
+    return patching_over_pairs(
+        lambda request: om.trace(request, None, max_tokens=token_limit(om)),
+        pairs,
+        request=lambda text: request_for(om, text),
+        n_tokens=lambda request: len(om.encode(request)),
+        target=target.strip() or None,
+        contrast=contrast.strip() or None,
+        on_pair=on_pair,
+        sites=sites,
+        positions=positions,
+        max_runs=MAX_RUNS,
+        token_id=lambda flag, value: token_of(om, flag, value),
     )
 
 

@@ -8,6 +8,8 @@ traces); the session keeps the table and summary of its last sweep."""
 
 from __future__ import annotations
 
+import hashlib
+
 import streamlit as st
 
 from app.core.errors import BAD_INPUT
@@ -16,8 +18,10 @@ from app.topics import patching as topic
 from app.topics import patching_runs as runs
 from app.ui import comparison, progress, widgets
 from tracing.analyses.patching import SITES, Cell
+from tracing.analyses.prompt_sets import MAX_BYTES
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
+PAIRS = "patch_pairs_result"  # {"asked": what was swept, "table": the means, "each": every pair's rows, "summary": dict}
 
 
 def page() -> None:
@@ -44,9 +48,10 @@ def page() -> None:
     if result is None or (result["asked"] != asked and not stopped):
         pair.markdown(topic.pair_header(om.label, asked[1], asked[2]))
         st.caption("Type a corrupt prompt of the clean one's length and press **Run the sweep**.")
-        return
-    pair.markdown(topic.pair_header(om.label, result["asked"][1], result["asked"][2], result["summary"]["tokens"]))
-    show(om, result)
+    else:
+        pair.markdown(topic.pair_header(om.label, result["asked"][1], result["asked"][2], result["summary"]["tokens"]))
+        show(om, result)
+    pairs_section(om, asked)
 
 
 def controls(om: AppModel) -> tuple:
@@ -122,6 +127,64 @@ def cell_view(om: AppModel, result: dict) -> None:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
     comparison.compare(base, patched, {})
+
+
+def pairs_section(om: AppModel, asked: tuple) -> None:
+    """A file of pairs swept with the sites, positions, target and contrast above: per cell the mean
+    over the pairs with its 95% bootstrap interval (the pairs resampled), and every pair's rows."""
+    st.subheader("A set of pairs", anchor=False)
+    upload = st.file_uploader(
+        "Pairs file",
+        type=["jsonl", "csv"],
+        key="patch_pairs_file",
+        max_upload_size=max(1, MAX_BYTES >> 20),
+        help="JSONL, one object a line with clean, corrupt and optionally target, contrast; or CSV with those "
+        "columns. As `python -m tracing patching --pairs FILE`.",
+    )
+    if upload is None:
+        st.caption("One pair proves little: drop a file of pairs to sweep each and see every cell's mean with its interval.")
+        return
+    data = upload.getvalue()
+    key = (hashlib.sha256(data).hexdigest(), om.key, *asked[3:])  # the file, the model and the sweep's settings
+    if st.button("Sweep every pair", key="patch_pairs_run", icon=":material/play_arrow:"):
+        _, _, _, sites, positions, target, contrast = asked
+        bar = st.progress(0.0, text="Patching the pairs…")
+        try:
+            result = runs.run_pairs(
+                om,
+                data,
+                upload.name,
+                sites,
+                positions,
+                target,
+                contrast,
+                lambda i, n: bar.progress(i / n, text=f"Pair {i + 1} of {n}…"),
+            )
+        except BAD_INPUT as exc:
+            st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+            return
+        finally:
+            bar.empty()
+        st.session_state[PAIRS] = {"asked": key, "table": result.table, "each": result.each, "summary": result.summary}
+    result = st.session_state.get(PAIRS)
+    if result is None or result["asked"] != key:
+        st.caption("Press **Sweep every pair**: one sweep per pair, with the sites and positions above.")
+        return
+    table, s = result["table"], result["summary"]
+    st.caption(
+        f"{s['pairs']} pairs, {s['runs']} patched runs in {s['seconds']:.1f} s. Each cell: the mean restored share over "
+        f"the pairs and its 95% bootstrap interval (the pairs resampled, seed {s['seed']}); "
+        + ("positions counted from the end (-1 the last), as the pairs differ in length." if s["tokens"] is None else "")
+    )
+    frame, width, labels = topic.mean_grid(table, s["tokens"])
+    for site in dict.fromkeys(table["site"]):
+        got = topic.grid(frame, site, width)
+        if got is not None:
+            widgets.chart(topic.patching_figure(*got, labels, site), key=f"patch_pairs_fig_{site}")
+    widgets.table(st, table, "patching_mean")
+    left, right = st.columns(2)
+    widgets.csv_button(left, table, "patching_mean.csv", "patch_pairs_csv")
+    widgets.csv_button(right, result["each"], "patching_pairs.csv", "patch_pairs_each_csv")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The Patching page's runs without Streamlit (app.topics.patching_runs): putting back the clean stream
-where the prompts differ restores the clean answer, one cell's patched run differs from the corrupt
-run from that position on, and a sweep without sites is refused."""
+where the prompts differ restores the clean answer, a file of pairs gives each cell's mean over them,
+one cell's patched run differs from the corrupt run from that position on, and a sweep without sites
+is refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from app.core.models import open_model
 from app.core.traces import request_for
+from app.topics import patching as topic
 from app.topics import patching_runs as runs
 from tracing.analyses.patching import Cell
 from tracing.errors import InputError
@@ -41,3 +43,17 @@ def test_one_cells_patched_run_parts_from_the_corrupt_run_at_its_position(om):
 def test_a_sweep_without_sites_is_refused(om):
     with pytest.raises(InputError, match="at least one site"):
         runs.run_sweep(om, CLEAN, CORRUPT, [])
+
+
+def test_a_file_of_pairs_gives_each_cells_mean_over_the_pairs(om):
+    data = f"clean,corrupt\n{CLEAN},{CORRUPT}\nThe cat sat on the mat,The dog sat on the mat\n".encode()
+    calls = []
+    result = runs.run_pairs(om, data, "pairs.csv", ["resid_pre"], "last", on_pair=lambda i, n: calls.append((i, n)))
+    table, each = result.table, result.each
+    assert calls == [(0, 2), (1, 2)] and set(each["line"]) == {2, 3} and (table["n"] == 2).all()
+    assert table["mean"].tolist() == pytest.approx(each.groupby("block")["value"].mean().tolist())
+    frame, width, labels = topic.mean_grid(table, result.summary["tokens"])
+    assert topic.grid(frame, "resid_pre", width)[0][:, -1].tolist() == pytest.approx(table["mean"].tolist())
+    assert labels[-1] == ("-1" if result.summary["tokens"] is None else str(result.summary["tokens"] - 1))
+    with pytest.raises(InputError, match="pairs.csv line 2: 1 cells where the header names 2"):
+        runs.run_pairs(om, b"clean,corrupt\nno comma here\n", "pairs.csv", ["resid_pre"])

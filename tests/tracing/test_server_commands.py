@@ -1,5 +1,5 @@
 """Every command that traces writes through a model server what it writes on a model loaded here
-(`patching --server`, `run --server --attribute --causal N`), and the ones that cannot run on a
+(`patching --server`, `run --server --attribute --causal N`, prompt sets), and the ones that cannot run on a
 server say why in one line. The server is the in-process one of tests/tracing/serving.py, listening
 on a loopback port, so the command line reaches it as it reaches `python -m tracing serve`."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 
 from tests.tracing.serving import listening
@@ -47,6 +48,26 @@ def test_run_causal_on_a_server_writes_the_local_trace_and_table(server, app_che
     assert (tmp_path / "r.safetensors").read_bytes() == (tmp_path / "l.safetensors").read_bytes()
     assert (remote / "causal.csv").read_bytes() == (local / "causal.csv").read_bytes()
     assert capsys.readouterr().err.count("causal check: 3 parts removed") == 2
+
+
+def test_prompt_sets_on_a_server_give_the_local_means(server, app_checkpoint, tmp_path, capsys):
+    pairs, prompts = tmp_path / "pairs.csv", tmp_path / "prompts.txt"
+    pairs.write_text(f"clean,corrupt\n{CLEAN},{CORRUPT}\nIt is a truth,It is a fact\n", encoding="utf-8")
+    prompts.write_text(f"{PROMPT}\n{CLEAN}\n", encoding="utf-8")
+    argv = ["patching", "--pairs", str(pairs), "--sites", "resid_pre", "--positions", "last"]
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--server", server, "--out", str(tmp_path / "remote")]) == 0
+    for name in ("patching_mean.csv", "patching_pairs.csv", "summary.json"):
+        remote, local = ((tmp_path / d / name).read_bytes() for d in ("remote", "local"))
+        assert remote == local or name == "summary.json"  # its seconds differ
+    mean, each = (pd.read_csv(tmp_path / "local" / f"patching_{t}.csv") for t in ("mean", "pairs"))
+    assert len(mean) == len(each) / 2 and set(each["line"]) == {2, 3} and (mean["n"] == 2).all()
+    capsys.readouterr()
+    lines = []
+    for source in (["--checkpoint", app_checkpoint], ["--server", server]):
+        assert main(["eval", *source, "--prompts", str(prompts), "--index-topk", "3"]) == 0
+        lines.append({**json.loads(capsys.readouterr().out), "seconds": 0})
+    assert lines[0] == lines[1] and lines[0]["difference_past_topk"]["n"] == 2
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
 """``python -m tracing eval``: next-token NLL, perplexity, top-1 accuracy and bits per byte of a
-checkpoint on a text file, with or without interventions (tracing.analyses.evaluate).
+checkpoint on a text file, with or without interventions (tracing.analyses.evaluate); over a set of
+prompts (``--prompts``), each prompt's loss plain and under the interventions, and the paired
+difference with its bootstrap interval (tracing.analyses.prompt_sets), here or on a model server.
 """
 
 from __future__ import annotations
@@ -9,27 +11,50 @@ import json
 
 from ..errors import InputError
 from .inputs import add_intervention_flags, intervention_spec, named_path, regular_file
-from .loading import open_checkpoint, parse_device, parse_dtype, refuse_server
+from .loading import open_checkpoint, parse_device, parse_dtype
+from .sets import add_set_options
+
+WHOLE_TEXT = (  # why --text-file runs on a model loaded here only
+    "eval --text-file tokenizes the whole text and scores batches of windows of it on a model loaded here, "
+    "and a server traces one prompt of at most its --max-prompt-tokens at a time: give --checkpoint (or --prompts)"
+)
 
 
 def add_parser(sub) -> None:
     ev = sub.add_parser("eval", help="next-token NLL, perplexity, top-1 accuracy and bits per byte on a text file")
-    ev.add_argument("--checkpoint", type=named_path, required=True, help="checkpoint directory, or 'demo'")
-    ev.add_argument("--text-file", type=named_path, required=True, help="UTF-8 text to score")
+    ev.add_argument("--checkpoint", type=named_path, help="checkpoint directory, or 'demo'")
+    ev.add_argument("--server", metavar="URL", help="with --prompts: a model server (python -m tracing serve) runs them")
+    ev.add_argument("--token-file", type=named_path, help="with --server: the file holding its bearer token")
+    given = ev.add_mutually_exclusive_group(required=True)
+    given.add_argument("--text-file", type=named_path, help="UTF-8 text to score")
+    given.add_argument(
+        "--prompts",
+        type=named_path,
+        metavar="FILE",
+        help="a set of prompts (one a line, or JSONL with prompt): each scored plain and under the interventions, "
+        "the paired difference in nats with its bootstrap interval, also past index_topk",
+    )
+    ev.add_argument("--csv", type=named_path, help="with --prompts: the tables eval and eval_prompts into this directory")
+    ev.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="bfloat16")
     add_intervention_flags(ev, positions=False)
-    refuse_server(
-        ev,
-        "eval tokenizes the whole text and scores batches of windows of it on a model loaded here, "
-        "and a server traces one prompt of at most its --max-prompt-tokens at a time: give --checkpoint",
-    )
-    ev.set_defaults(func=cmd_eval)
+    add_set_options(ev)
+    # what the shared loader reads of the commands that take --synthetic and --stream (tracing.cli.patching._runner)
+    ev.set_defaults(func=cmd_eval, synthetic=None, n_layers=None, stream=False, no_mtp=False, inexact_fp8_sums=False)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..analyses.evaluate import evaluate
 
+    if args.server is not None and args.text_file is not None:
+        raise InputError(WHOLE_TEXT)
+    if (args.server is None) == (args.checkpoint is None):
+        raise InputError("give --checkpoint DIR or --server URL (one of them)")
+    if args.prompts is not None:
+        return _over_prompts(args)
+    if args.csv is not None:
+        raise InputError("--csv applies to --prompts (--text-file prints one JSON line)")
     path = regular_file(args.text_file, "text file")
     try:
         text = path.read_text(encoding="utf-8")
@@ -47,3 +72,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InputError(f"{loaded.label} has no tokenizer.json: eval needs one")
     print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text, interventions=interventions), allow_nan=False))
     return 0
+
+
+def _over_prompts(args: argparse.Namespace) -> int:
+    from ..analyses.intervention_specs import from_spec
+    from .sets import cmd_eval_prompts
+
+    spec = intervention_spec(args)
+    if any(getattr(i, "positions", None) is not None for i in from_spec(spec)):
+        raise InputError("eval: a removal acts at every position of every prompt (LAYER:ID@P applies to run)")
+    return cmd_eval_prompts(args, spec)

@@ -11,8 +11,10 @@ from functools import cached_property
 from ..errors import InputError
 from .inputs import integer, named_path
 from .loading import add_device_options, add_source_options
+from .sets import add_set_options
 
 FILES = frozenset({"patching.csv", "patching.parquet", "summary.json"})  # what a sweep's directory holds
+PAIR_FILES = frozenset({"patching_mean.csv", "patching_mean.parquet", "patching_pairs.csv", "patching_pairs.parquet"})
 
 
 def add_parser(sub) -> None:
@@ -23,9 +25,16 @@ def add_parser(sub) -> None:
     )
     add_source_options(patching, "synthetic weights of this config (give --clean-ids and --corrupt-ids)", server=True)
     for which in ("clean", "corrupt"):
-        given = patching.add_mutually_exclusive_group(required=True)
+        given = patching.add_mutually_exclusive_group()  # one of them, or --pairs
         given.add_argument(f"--{which}", metavar="TEXT", help=f"the {which} prompt")
         given.add_argument(f"--{which}-ids", metavar="1,2,3", help=f"the {which} prompt as token ids")
+    patching.add_argument(
+        "--pairs",
+        type=named_path,
+        metavar="FILE",
+        help="a set of pairs (JSONL with clean, corrupt and optionally target, contrast; or CSV with those columns): "
+        "each pair's sweep and per cell the mean with its bootstrap interval (tables patching_mean, patching_pairs)",
+    )
     patching.add_argument("--target", metavar="TOKEN|ID", help="the logit difference's target (default: the clean top token)")
     patching.add_argument(
         "--contrast", metavar="TOKEN|ID", help="minus this token's logit (default: the corrupt run's top token)"
@@ -39,6 +48,7 @@ def add_parser(sub) -> None:
         "--out", required=True, type=named_path, metavar="DIR", help="the directory: patching.csv, summary.json"
     )
     patching.add_argument("--parquet", action="store_true", help="also patching.parquet")
+    add_set_options(patching)
     add_device_options(patching)
     patching.set_defaults(func=cmd_patching)
 
@@ -51,6 +61,13 @@ def cmd_patching(args: argparse.Namespace) -> int:
     from .output import Outputs, check_directory
     from .progress import ProgressBar
 
+    if args.pairs is not None:
+        from .sets import cmd_pairs
+
+        return cmd_pairs(args)
+    for which in ("clean", "corrupt"):
+        if getattr(args, which) is None and getattr(args, f"{which}_ids") is None:
+            raise InputError(f"give --{which} or --{which}-ids (or --pairs FILE)")
     check_directory(args.out)
     parse_sites(args.sites)
     requests = [
@@ -82,7 +99,7 @@ def cmd_patching(args: argparse.Namespace) -> int:
         progress.close()
         close()
     with Outputs() as out:  # the table and the summary land together or not at all
-        folder = out.directory(args.out, stale=FILES)
+        folder = out.directory(args.out, stale=FILES | PAIR_FILES)
         data = to_csv_bytes(result.table)
         folder.write("patching.csv", lambda path: path.write_bytes(data))
         if args.parquet:

@@ -17,6 +17,7 @@ from .inputs import add_intervention_flags, finite, integer, intervention_spec, 
 from .loading import add_device_options, add_source_options, open_from_args, parse_device, parse_dtype, refuse_local_flags
 from .output import REUSED
 from .progress import ProgressBar, stream_bar
+from .sets import add_set_options
 
 
 def add_parser(sub) -> None:
@@ -25,11 +26,17 @@ def add_parser(sub) -> None:
     inp = run.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
     inp.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
+    inp.add_argument(
+        "--prompts",
+        type=named_path,
+        metavar="FILE",
+        help="with --attribute --causal N: a set of prompts (one a line, or JSONL with prompt and optionally target, "
+        "contrast), each checked, the means with bootstrap intervals in --csv (no trace file)",
+    )
     run.add_argument(
         "--out",
         type=named_path,
-        required=True,
-        help="trace file to write (.safetensors); replaces a regular file, refuses anything else",
+        help="trace file to write (.safetensors); replaces a regular file, refuses anything else (required but with --prompts)",
     )
     run.add_argument("--csv", type=named_path, help=f"also write every table as CSV into this directory{REUSED}")
     run.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
@@ -77,6 +84,7 @@ def add_parser(sub) -> None:
         metavar="N",
         help="with --attribute: remove each of the N largest parts at the position, measure the logit change (table causal)",
     )
+    add_set_options(run)
     run.set_defaults(func=cmd_run)
 
 
@@ -147,6 +155,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..tables import stage_tables, tables
     from .output import Outputs, check_directory, check_file
 
+    if args.prompts is not None:
+        return _over_prompts(args)
+    if args.out is None:
+        raise InputError("give --out TRACE.safetensors: the trace file to write")
     check_file(args.out)  # before the run, which may take long; checked again when writing
     request = request_from_args(args)
     if args.csv is not None:  # "" too: it names no directory, and must not mean "no tables"
@@ -192,6 +204,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                 stage_tables(out, frames, args.csv, parquet=args.parquet)
         print(said(trace, args), file=sys.stderr)
     return 0
+
+
+def _over_prompts(args: argparse.Namespace) -> int:
+    """``run --attribute --causal N --prompts FILE``: the flags' request made for each line."""
+    from .sets import cmd_causal_prompts
+
+    if args.causal is None:
+        raise InputError("--prompts applies to --attribute --causal N: the causal check over a set of prompts")
+    template = request_from_args(argparse.Namespace(**{**vars(args), "prompt": "-"}))
+    return cmd_causal_prompts(args, template)
 
 
 def said(trace: Trace, args: argparse.Namespace) -> str:

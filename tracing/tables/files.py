@@ -33,10 +33,11 @@ def to_csv_bytes(frame: pd.DataFrame) -> bytes:
     return csv_safe(frame).to_csv(index=False, lineterminator="\r\n").encode("utf-8")
 
 
-# the names of every table this project writes: the trace's and those of ``diff``
+# the names of every table this project writes: the trace's, those of ``diff`` and of the prompt sets
 # (tracing.analyses.diff.diff_tables); a reused output directory loses the files of these names it does not rewrite
 DIFF_TABLES = ("blocks", "stream", "experts", "indexer_keys", "attention", "predictions", "logits", "next_token")
-TABLE_FILES = frozenset(f"{name}.{ext}" for name in (*BUILDERS, *DIFF_TABLES) for ext in ("csv", "parquet"))
+SET_TABLES = ("causal", "causal_summary", "causal_parts", "eval", "eval_prompts")  # over a set of prompts (prompt_sets)
+TABLE_FILES = frozenset(f"{name}.{ext}" for name in (*BUILDERS, *DIFF_TABLES, *SET_TABLES) for ext in ("csv", "parquet"))
 
 
 def export(trace: Trace, directory: str | os.PathLike, parquet: bool = False) -> list[Path]:
