@@ -428,7 +428,9 @@ class Graph:
         if self.tensors:
             data["tensors"] = path.with_suffix(".safetensors").name
             save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(path.with_suffix(".safetensors")))
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        ops = ",\n".join("  " + json.dumps(op) for op in data.pop("ops"))  # one operation a line
+        head = "".join(f"{json.dumps(k)}: {json.dumps(v)}, " for k, v in data.items())
+        path.write_text("{" + head + '"ops": [\n' + ops + "\n]}\n")
         return path
 
     def describe(self) -> str:
@@ -535,14 +537,12 @@ def _position_axis(name: str) -> bool:
     return _axes(name)[0] in ("T", "N")
 
 
-def _picked(name: str, value: torch.Tensor, op: Mapping, n_heads: int | None = None) -> torch.Tensor:
+def _picked(name: str, value: torch.Tensor, op: Mapping) -> torch.Tensor:
     """``value`` (rows first, batch dropped) at the op's heads and experts."""
     axes = _axes(name)
     for key, letter in (("heads", "H"), ("experts", "E")):
         if key in op:
             dim = axes.index(letter) + (0 if _position_axis(name) else 1)
-            if n_heads is not None and key == "heads" and value.shape[dim] != n_heads:
-                raise InputError(f"{name}: a rank holds only its heads under tensor parallelism: a graph reads every head")
             value = value.index_select(dim, torch.tensor(op[key], device=value.device))
     return value
 
@@ -760,12 +760,14 @@ class GraphRun(Intervention):
                 state.values.clear()
                 state.fired.clear()
                 state.done.clear()
+            if spec(name).rank_local and value.shape[2] != n_heads:
+                raise InputError(f"{name}: a rank holds only its heads under tensor parallelism: a graph reads them whole")
             mine = value[0] if batched else value  # (T, ...) or, without a position axis, (...)
             rows_first = mine if _position_axis(name) else mine.unsqueeze(0)
             reads, writes = by_site[name]
             for i in reads:
                 op = program.ops[i]
-                picked = _picked(name, rows_first.detach(), op, n_heads if "heads" in op and ".indexer." not in name else None)
+                picked = _picked(name, rows_first.detach(), op)
                 first = ctx.start if _position_axis(name) else state.n - 1
                 state.reads.setdefault(op["id"], []).append((first, picked.float()))
                 state.fired.add(op["id"])
@@ -860,6 +862,15 @@ def _dry_pass(program: Program, start: int, n_rows: int) -> None:
             program.value(op["value"], state, meta)
 
 
+def mean_difference(a, b, site: str) -> torch.Tensor:
+    """A direction from two runs (tracing.trace.Trace): ``site``'s mean over the positions of ``a``
+    less its mean over ``b``'s, BOS left out (every prompt shares it): (D,) float32, a constant to steer by."""
+    for trace in (a, b):
+        if site not in trace or trace.n_tokens < 2:
+            raise InputError(f"mean_difference: a trace lacks {site!r} (or holds one token only)")
+    return (a[site][1:].float().mean(0) - b[site][1:].float().mean(0)).contiguous()
+
+
 def graph_of(value: Graph | Mapping | None) -> Graph | None:
     """A request's graph from a Graph or its JSON form (a dict)."""
     if value is None or isinstance(value, Graph):
@@ -869,4 +880,4 @@ def graph_of(value: Graph | Mapping | None) -> Graph | None:
     raise InputError(f"graph: expected a tracing Graph or its JSON object, not {type(value).__name__}")
 
 
-__all__ = ["Graph", "GraphRun", "Positions", "Value", "check_graph", "graph_of"]
+__all__ = ["Graph", "GraphRun", "Positions", "Value", "check_graph", "graph_of", "mean_difference"]
