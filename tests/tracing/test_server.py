@@ -23,6 +23,7 @@ import torch
 from starlette.testclient import TestClient
 
 from tests.tracing.serving import TOKEN, in_process, post
+from tracing.analyses.graph import Graph
 from tracing.cli.commands import main
 from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
@@ -67,6 +68,24 @@ def test_a_trace_over_http_is_the_trace_run_makes(served):
     assert answer.status_code == 200 and Trace.from_bytes(read_answer(iter([answer.content]))).extra["patched"] == [
         "layers.0.resid_pre"
     ]
+
+
+def test_the_example_graphs_on_the_server_make_the_local_traces(served):
+    """docs/examples' graphs: the steering one's direction travels as safetensors, the other as JSON;
+    the server's trace is the one a run here makes, to the byte."""
+    client, state, loaded = served
+    for name in ("steering", "mean_ablation"):
+        graph = Graph.load(REPO / "docs" / "examples" / f"{name}.json")
+        request = TraceRequest(prompt="It is a truth", generate=2, graph=graph)
+        assert encode_request(request)[1] == ("application/x-safetensors" if graph.tensors else "application/json")
+        answer = post(client, request)
+        assert answer.status_code == 200, answer.text
+        want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
+        assert read_answer(iter([answer.content])) == want.to_bytes() and want.extra["graph"]
+    wide = Graph()
+    wide.add("layers.1.resid_pre", wide.constant(torch.ones(3)))  # the model's width is not 3
+    answer = post(client, TraceRequest(prompt="It is", graph=wide))
+    assert answer.status_code == 422 and "has shape [3]" in answer.json()["error"]
 
 
 @pytest.mark.parametrize(
