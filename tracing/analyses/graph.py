@@ -503,7 +503,7 @@ def _check_field(where: str, key: str, kind: str, value: Any, ids: set[str], gra
 def _check_site(where: str, name: str) -> None:
     row = spec(name)
     if row is None or not row.patchable or row.computed:
-        raise InputError(f"{where}: {name[:80]!r} is not a hook point (python -m tracing sites lists them)")
+        raise InputError(f"{where}: {name[:80]!r} is not a hook point (docs/cli.md lists the trace sites)")
 
 
 def _check_write_site(where: str, name: str) -> None:
