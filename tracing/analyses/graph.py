@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,42 +382,36 @@ class Graph:
 
     @classmethod
     def from_json(cls, text: str | bytes, tensors: Mapping[str, torch.Tensor] | None = None) -> Graph:
-        if len(text) > MAX_JSON_BYTES:
-            raise InputError(f"the graph's JSON is {len(text):,} bytes; at most {MAX_JSON_BYTES:,}")
-        try:
-            data = json.loads(text, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            raise InputError(f"the graph is not JSON ({str(exc)[:120]})") from None
-        return cls.from_dict(data, tensors)
+        return cls.from_dict(_parsed(text, "the graph"), tensors)
 
     @classmethod
-    def load(cls, path: str | Path) -> Graph:
-        """A graph file; its ``"tensors"`` names a safetensors file beside it holding the constants."""
-        from safetensors import SafetensorError, safe_open
-
-        from ..cli.inputs import regular_file
-
-        path = regular_file(path, "graph file", limit=MAX_JSON_BYTES)
-        text = path.read_bytes()
-        try:
-            data = json.loads(text, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            raise InputError(f"{path}: the graph is not JSON ({str(exc)[:120]})") from None
+    def from_file(cls, text: bytes | str, beside: Callable[[str], bytes], where: str = "the graph") -> Graph:
+        """A graph file's JSON; the safetensors file its ``"tensors"`` names is ``beside(name)``'s bytes
+        (read from the same directory, or an upload of that name)."""
+        data = _parsed(text, where)
         tensors = None
         if isinstance(data, dict) and data.get("tensors") is not None:
             name = data["tensors"]
             if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
-                raise InputError(f"{path}: 'tensors' names a .safetensors file beside the graph (no directory)")
-            file = regular_file(path.parent / name, "graph tensors file", limit=MAX_TENSOR_BYTES + MAX_JSON_BYTES, mapped=True)
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    tensors = {key: f.get_tensor(key) for key in f.keys()}
-            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-                raise InputError(f"{file}: not a readable safetensors file ({str(exc)[:120]})") from None
+                raise InputError(f"{where}: 'tensors' names a .safetensors file beside the graph (no directory)")
+            tensors = _read_tensors(beside(name), name)
         try:
             return cls.from_dict(data, tensors)
         except InputError as exc:
-            raise InputError(f"{path}: {exc}") from None
+            raise InputError(f"{where}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Graph:
+        """A graph file; its ``"tensors"`` names a safetensors file beside it holding the constants."""
+        from ..cli.inputs import regular_file
+
+        path = regular_file(path, "graph file", limit=MAX_JSON_BYTES)
+
+        def beside(name: str) -> bytes:
+            limit = MAX_TENSOR_BYTES + MAX_JSON_BYTES  # the tensors and their header
+            return regular_file(path.parent / name, "graph tensors file", limit=limit, mapped=True).read_bytes()
+
+        return cls.from_file(path.read_bytes(), beside, str(path))
 
     def save_file(self, path: str | Path) -> Path:
         """Write the graph's JSON (and its tensors beside it, ``<stem>.safetensors``)."""
@@ -453,6 +447,29 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.describe()})"
+
+
+def _read_tensors(data: bytes, name: str) -> dict[str, torch.Tensor]:
+    """The constants of a safetensors file's bytes (data only: never unpickled)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if len(data) > MAX_TENSOR_BYTES + MAX_JSON_BYTES:
+        raise InputError(f"{name}: {len(data):,} bytes, more than a graph's constants hold")
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
+        raise InputError(f"{name}: not a readable safetensors file ({str(exc)[:120]})") from None
+
+
+def _parsed(text: str | bytes, where: str) -> Any:
+    """A graph's JSON, bounded, with NaN and Infinity refused (JSON has no such numbers)."""
+    if len(text) > MAX_JSON_BYTES:
+        raise InputError(f"{where}: {len(text):,} bytes, more than a graph's JSON holds ({MAX_JSON_BYTES:,})")
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{where}: the graph is not JSON ({str(exc)[:120]})") from None
 
 
 def _no_constant(name: str):
