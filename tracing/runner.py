@@ -86,7 +86,7 @@ class TraceRequest:
     interventions: Mapping[str, Any] = field(default_factory=dict, hash=False)
     patch_positions: str | None = None
     patches: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
-    graph: Graph | None = field(default=None, compare=False, hash=False)
+    graph: Graph | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "graph", graph_of(self.graph))

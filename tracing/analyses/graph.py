@@ -19,6 +19,7 @@ does (tracing never edits a model code path).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -445,6 +446,12 @@ class Graph:
         """One digest of the graph and its tensors: the same program, the same string."""
         return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Graph) and self.fingerprint() == other.fingerprint()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
     def __repr__(self) -> str:
         return f"Graph({self.describe()})"
 
@@ -577,6 +584,17 @@ class _State:
     fired: set[str] = field(default_factory=set)  # reads whose hook point ran in this pass
     done: set[int] = field(default_factory=set)  # saves evaluated in this pass
 
+    def prune(self, program: Program) -> None:
+        """Drop the rows no pass from now on can read (before each read's :meth:`Program.keep_from`)."""
+        for id, parts in self.reads.items():
+            if not parts or not _position_axis(program.ops[program.by_id[id]]["site"]):
+                self.reads[id] = parts[-1:]
+                continue
+            oldest = program.keep_from(id, self.n)
+            self.reads[id] = [
+                (max(first, oldest), rows[max(0, oldest - first) :]) for first, rows in parts if first + len(rows) > oldest
+            ]
+
 
 class Program:
     """A checked graph against one model: evaluates its values in a pass and tells where each
@@ -683,16 +701,34 @@ class Program:
         if not _position_axis(op["site"]):
             return parts[-1][1]  # (1, ...): the newest position's
         wanted = _resolve(self.positions.get(self.by_id[op["id"]]), state.n)
-        if not wanted:
-            return None
-        rows = []
-        for first, block in parts:
-            rows.extend((first + r, block[r]) for r in range(len(block)))
-        by_position = dict(rows)
-        taken = [by_position[p] for p in wanted if p in by_position]
+        firsts = [first for first, _ in parts]  # ascending: the passes in order
+        taken = []
+        for p in wanted:
+            if (k := bisect.bisect_right(firsts, p) - 1) >= 0 and p - firsts[k] < len(parts[k][1]):
+                taken.append(parts[k][1][p - firsts[k]])
         if not taken:
             return None
         return torch.stack(_padded(taken, spec(op["site"]).fill))  # (P, ...)
+
+    def rows_of(self, i: int, start: int, n_rows: int, n: int) -> list[int]:
+        """The rows of a pass (its first position ``start``, ``n`` positions so far) that write ``i`` acts at."""
+        if not _position_axis(self.ops[i]["site"]):
+            return [0]  # the newest position's value, the only one the site holds
+        wanted = set(_resolve(self.positions.get(i), n))
+        return [r for r in range(n_rows) if start + r in wanted]
+
+    def keep_from(self, id: str, n: int) -> int:
+        """The first position a read may still need in a later pass (``n``: the positions so far): rows
+        before it are dropped, so reading the newest position costs the same at every step."""
+        positions = self.positions.get(self.by_id[id])
+        if positions is None:
+            return 0
+        if positions.listed is not None:
+            absolute = [p for p in positions.listed if p >= 0]
+            from_newest = [n + p for p in positions.listed if p < 0]  # a later pass's newest is later
+            return max(0, min([*absolute, *from_newest]))
+        start = positions.start or 0
+        return start if start >= 0 else max(0, n + start)
 
     def write(self, i: int, current: torch.Tensor, state: _State, rows: list[int], device) -> torch.Tensor | None:
         """``current`` (the pass's rows first) with operation ``i``'s write put in at ``rows`` (the
@@ -711,7 +747,7 @@ class Program:
         if whole is None:
             raise InputError(
                 f"{self.where(i)}: its value has shape {list(value.shape)}; {op['site']} there is {list(shape)} "
-                f"({len(wanted)} positions)"
+                f"({len(wanted)} position{'' if len(wanted) == 1 else 's'})"
             )
         here = [wanted.index(state.start + r) for r in rows]
         new_rows = whole[here].to(current.dtype)
@@ -752,7 +788,7 @@ class GraphRun(Intervention):
     then its writes there are evaluated and put in, and each save is evaluated once every read it
     uses ran in the pass. A write whose value needs a read the pass has not reached is an InputError."""
 
-    graph: Graph = field(hash=False, compare=False)
+    graph: Graph = field(hash=False)
     _state: dict = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def replacements(self, args: ModelArgs) -> dict[str, Replace]:
@@ -774,6 +810,7 @@ class GraphRun(Intervention):
                 raise InputError("a graph runs on one sequence (batch size 1)")
             if ctx.start != state.start:  # a new pass: a prefill, or a decode step
                 state.start, state.n = ctx.start, ctx.start + ctx.n_rows
+                state.prune(program)
                 state.values.clear()
                 state.fired.clear()
                 state.done.clear()
@@ -793,11 +830,7 @@ class GraphRun(Intervention):
                 if missing := needs[i] - state.fired:
                     site = program.ops[program.by_id[sorted(missing)[0]]]["site"]
                     raise InputError(f"{program.where(i)} at {name} uses the read of {site}, which the model computes later")
-                if _position_axis(name):
-                    wanted = set(_resolve(program.positions.get(i), state.n))
-                    rows = [r for r in range(ctx.n_rows) if ctx.start + r in wanted]
-                else:
-                    rows = [0]
+                rows = program.rows_of(i, ctx.start, ctx.n_rows, state.n)
                 if rows and (got := program.write(i, new, state, rows, value.device)) is not None:
                     new = got
             for i in saves:
@@ -844,39 +877,46 @@ def check_graph(graph: Graph, args: ModelArgs, n_prompt: int, generate: int = 0,
                 raise InputError(f"{program.where(i)}: position {beyond[0]} is outside the run's 0..{n_positions - 1}")
         if op["op"] == "write" and _position_axis(op["site"]) and not _resolve(positions, n_positions):
             raise InputError(f"{program.where(i)}: its positions name none of the run's 0..{n_positions - 1}")
-    passes = [(0, n_first)] + ([(n_first, 1)] if n_positions > n_first else [])
+    # the prefill, the first decode step and the last (the most positions so far), each after the
+    # positions before it as one earlier pass: what a run would raise on shapes, raised before it
+    passes = [(0, n_first)] + [(start, 1) for start in sorted({n_first, n_positions - 1}) if start >= n_first and start > 0]
+    saved: dict[str, tuple[int, ...]] = {}
     for start, n_rows in passes:
-        _dry_pass(program, start, n_rows)
+        for name, shape in _dry_pass(program, start, n_rows).items():
+            if saved.setdefault(name, shape) != shape:
+                raise InputError(
+                    f"graph save {name!r}: its value's rows are {list(saved[name])} in one pass, {list(shape)} in another"
+                    " (a key axis grows at each decode step): save a value whose rows keep their shape"
+                )
 
 
-def _dry_pass(program: Program, start: int, n_rows: int) -> None:
-    """One pass of the graph on meta tensors of the sites' shapes: what a run would raise on shapes."""
-    state = _State(start=start, n=start + n_rows)
+def _dry_pass(program: Program, start: int, n_rows: int) -> dict[str, tuple[int, ...]]:
+    """One pass of the graph on meta tensors of the sites' shapes, after the positions before ``start``
+    as one earlier pass; the saves' row shapes."""
+    n = start + n_rows
+    state = _State(start=start, n=n)
     meta = torch.device("meta")
+
+    def rows(name: str, first: int, count: int) -> torch.Tensor:  # a pass's value, rows first, batch dropped
+        shape = site_shape(program.args, name, site_legend(program.args, name)[0], first + count)
+        return torch.empty((count, *shape[1:]) if _position_axis(name) else (1, *shape), device=meta)
+
     for op in program.ops:
         if op["op"] == "read":
             name = op["site"]
-            legend = site_legend(program.args, name)[0]
-            shape = site_shape(program.args, name, legend, start + n_rows)
-            if _position_axis(name):
-                shape = (n_rows, *shape[1:])
-            else:
-                shape = (1, *shape)
-            value = _picked(name, torch.empty(shape, device=meta), op)
-            first = start if _position_axis(name) else state.n - 1
-            state.reads.setdefault(op["id"], []).append((first, value))
+            parts = [(0, start), (start, n_rows)] if start and _position_axis(name) else [(start, n_rows)]
+            for first, count in parts:
+                where = first if _position_axis(name) else n - 1
+                state.reads.setdefault(op["id"], []).append((where, _picked(name, rows(name, first, count), op)))
+    out = {}
     for i, op in enumerate(program.ops):
         if op["op"] == "write":
-            name = op["site"]
-            legend = site_legend(program.args, name)[0]
-            shape = site_shape(program.args, name, legend, start + n_rows)
-            current = torch.empty((n_rows, *shape[1:]) if _position_axis(name) else (1, *shape), device=meta)
-            wanted = set(_resolve(program.positions.get(i), state.n)) if _position_axis(name) else {state.n - 1}
-            rows = [r for r in range(current.shape[0]) if (start + r if _position_axis(name) else state.n - 1) in wanted]
-            if rows:
-                program.write(i, current, state, rows, meta)
-        elif op["op"] == "save":
-            program.value(op["value"], state, meta)
+            current = rows(op["site"], start, n_rows)
+            if here := program.rows_of(i, start, len(current), n):
+                program.write(i, current, state, here, meta)
+        elif op["op"] == "save" and (value := program.value(op["value"], state, meta)) is not None:
+            out[op["name"]] = tuple(value.shape[1:])
+    return out
 
 
 def mean_difference(a, b, site: str) -> torch.Tensor:

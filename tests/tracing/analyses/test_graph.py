@@ -96,6 +96,9 @@ def test_shapes_sites_and_positions_are_checked_against_the_model_before_it_runs
     assert "heads are numbered" in checked(lambda g: g.save("h", g.read("layers.1.attn.head_out", heads=[args.n_heads])))
     assert "outside the run's 0..7" in checked(lambda g: g.add("layers.1.resid_pre", g.constant(1.0), positions=[8]))
     assert "last axis" in checked(lambda g: g.save("p", g.read("layers.1.resid_pre").project(g.constant([1.0, 0.0]))))
+    # two rows fit the prefill's positions 4 and 5, not a decode step's 4..6: refused before the run
+    two = checked(lambda g: g.add("layers.2.resid_pre", g.read("layers.1.resid_post", positions="0:2"), positions="4:"))
+    assert f"[3, {args.dim}] (3 positions)" in two
     late = Graph()
     late.add("layers.1.resid_pre", late.read("layers.2.resid_pre"))
     with pytest.raises(InputError, match="computes later"):
