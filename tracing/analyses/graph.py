@@ -45,6 +45,7 @@ MAX_TENSOR_BYTES = 64 * 2**20  # bytes of the constant tensors, all together
 MAX_INDICES = 4096  # entries of one positions, heads or experts list
 MAX_JSON_BYTES = 4 * 2**20  # a graph file's JSON
 MAX_DIMS = 4  # axes of a constant
+MIN_VALUE_LIMIT = 1 << 20  # a value may hold this many numbers, or as many as the largest site or constant it uses
 WIRE = "graph/"  # a constant tensor's name in a request's safetensors body: graph/<name>
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
@@ -603,6 +604,7 @@ class Program:
     def __init__(self, graph: Graph, args: ModelArgs):
         graph.check()
         self.graph, self.args = graph, args
+        self.max_elements: int | None = None  # the most numbers a value may hold (check_graph sets it)
         self.ops = graph.ops
         self.by_id = {op["id"]: i for i, op in enumerate(self.ops) if "id" in op}
         self.positions = {i: Positions.parse("", op.get("positions")) for i, op in enumerate(self.ops) if "positions" in op}
@@ -661,6 +663,11 @@ class Program:
             other = op.get("y", op.get("onto"))
             y = self.value(other, state, device) if isinstance(other, str) else other
             got = None if x is None or (isinstance(other, str) and y is None) else self._compute(i, kind, op, x, y)
+        if got is not None and self.max_elements is not None and got.numel() > self.max_elements:
+            raise InputError(
+                f"{self.where(i)}: its value would hold {got.numel():,} numbers ({list(got.shape)}), more than the"
+                f" largest value it reads ({self.max_elements:,}): a broadcast across two position axes?"
+            )
         state.values[id] = got
         return got
 
@@ -868,6 +875,12 @@ def check_graph(graph: Graph, args: ModelArgs, n_prompt: int, generate: int = 0,
     and in a decode step. InputError, one line, for the first thing wrong."""
     program = Program(graph, args)
     n_positions = n_prompt + generate
+    sizes = [t.numel() for t in program.consts.values()]
+    for op in program.ops:
+        if "site" in op:
+            legend = site_legend(args, op["site"])[0]
+            sizes.append(math.prod(site_shape(args, op["site"], legend, n_positions)))
+    program.max_elements = max([MIN_VALUE_LIMIT, *sizes])
     n_first = n_prompt if prefill is None else prefill
     for i, op in enumerate(program.ops):
         positions = program.positions.get(i)

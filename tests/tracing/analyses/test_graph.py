@@ -99,6 +99,8 @@ def test_shapes_sites_and_positions_are_checked_against_the_model_before_it_runs
     # two rows fit the prefill's positions 4 and 5, not a decode step's 4..6: refused before the run
     two = checked(lambda g: g.add("layers.2.resid_pre", g.read("layers.1.resid_post", positions="0:2"), positions="4:"))
     assert f"[3, {args.dim}] (3 positions)" in two
+    outer = checked(lambda g: g.save("o", g.read("layers.1.resid_post") * g.constant(torch.ones(4096, 1, 1))))
+    assert "a broadcast across two position axes" in outer
     late = Graph()
     late.add("layers.1.resid_pre", late.read("layers.2.resid_pre"))
     with pytest.raises(InputError, match="computes later"):
