@@ -268,9 +268,12 @@ RUNS = {
     "attribute": ["--attribute", "--record", "default,flow"],
     "intervention": ["--no-gate-bias", "--ablate-heads", "1:0", "--zero-experts", "2:3"],
 }
+GRAPH_RUN = ["--generate", "2", "--graph", str(REPO / "docs" / "examples" / "mean_ablation.json")]  # every rank runs it
 
 
-@pytest.mark.parametrize("flags", list(RUNS.values()), ids=list(RUNS))
+@pytest.mark.parametrize(
+    "flags", [*RUNS.values(), pytest.param(GRAPH_RUN, id="graph", marks=pytest.mark.slow)], ids=[*RUNS, "graph"]
+)
 def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_checkpoint, tmp_path, flags):
     local, remote = tmp_path / "local.safetensors", tmp_path / "remote.safetensors"
     argv = ["run", "--prompt", PROMPT, *flags]
