@@ -15,7 +15,6 @@ from tracing.cli.commands import main
 from tracing.cli.loading import REPO, open_checkpoint
 from tracing.client import Client
 from tracing.errors import InputError
-from tracing.trace import Trace
 
 PROMPT = "It is a truth universally acknowledged"
 EXAMPLES = REPO / "docs" / "examples"
@@ -152,18 +151,16 @@ def test_the_mean_ablation_example_puts_the_mean_in_and_saves_it(demo):
     assert torch.equal(trace[site][0], plain[site][0])  # BOS keeps its own
 
 
-def test_run_graph_on_the_command_line(app_checkpoint, tmp_path, capsys):
-    out = tmp_path / "t.safetensors"
-    graph = str(EXAMPLES / "mean_ablation.json")
-    assert main(["run", "--checkpoint", app_checkpoint, "--prompt", PROMPT, "--graph", graph, "--out", str(out)]) == 0
-    trace = Trace.load(out)
-    assert trace.extra["graph"]["ops"][2]["mode"] == "replace" and "graph.attn_out_mean" in trace
-    capsys.readouterr()
+def test_a_bad_graph_file_is_one_line_and_status_2_before_the_model_loads(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"graph": 1, "ops": [{"op": "read", "id": "x", "site": "layers.1.resid_pre", "positions": [1e3]}]}')
-    assert main(["run", "--checkpoint", app_checkpoint, "--prompt", PROMPT, "--graph", str(bad), "--out", str(out)]) == 2
+    argv = ["run", "--checkpoint", "no/such/checkpoint", "--prompt", PROMPT, "--out", str(tmp_path / "t.safetensors")]
+    assert main([*argv, "--graph", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "positions" in err[0]
+    assert len(err) == 1 and "bad.json: graph op 0 (read): positions are a list" in err[0]
+    (tmp_path / "steer.json").write_text('{"graph": 1, "tensors": "steer.safetensors", "ops": []}')
+    assert main([*argv, "--graph", str(tmp_path / "steer.json")]) == 2
+    assert "steer.safetensors: cannot read the graph tensors file" in capsys.readouterr().err
 
 
 def test_hooks_on_a_remote_model_point_to_a_graph():
