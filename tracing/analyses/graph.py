@@ -226,6 +226,8 @@ class Graph:
     def __init__(self, ops: Sequence[Mapping[str, Any]] = (), tensors: Mapping[str, torch.Tensor] | None = None):
         self.ops: list[dict[str, Any]] = []
         self.tensors: dict[str, torch.Tensor] = {}
+        self._inline = 0  # numbers written out in the JSON so far
+        self._digests: dict[str, str] = {}  # each constant tensor's SHA-256, once
         for name, tensor in (tensors or {}).items():
             self._add_tensor(name, tensor)
         for op in ops:
@@ -319,13 +321,13 @@ class Graph:
             raise InputError(f"{where}: min {op['min']} is above max {op['max']}")
         if kind == "save" and op["name"] in {o["name"] for o in self.ops if o["op"] == "save"}:
             raise InputError(f"{where}: the name {op['name']!r} is saved twice")
-        if kind == "const" and "value" in op:
-            inline = sum(_constant(o["value"], where).numel() for o in self.ops if o["op"] == "const" and "value" in o)
-            if inline + _constant(op["value"], where).numel() > MAX_INLINE_ELEMENTS:
-                raise InputError(f"{where}: the inline constants hold more than {MAX_INLINE_ELEMENTS:,} numbers")
+        inline = self._inline + (_constant(op["value"], where).numel() if kind == "const" and "value" in op else 0)
+        if inline > MAX_INLINE_ELEMENTS:
+            raise InputError(f"{where}: the inline constants hold more than {MAX_INLINE_ELEMENTS:,} numbers")
         if kind == "write":
             _check_write_site(where, op["site"])
         self.ops.append(op)
+        self._inline = inline
 
     def _add_tensor(self, name: str, tensor: torch.Tensor) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -437,10 +439,10 @@ class Graph:
 
     def record(self) -> dict[str, Any]:
         """What a trace says was done to it: the graph's JSON and each constant tensor's shape and digest."""
-        tensors = {
-            name: {"shape": list(t.shape), "sha256": hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()}
-            for name, t in sorted(self.tensors.items())
-        }
+        for name, t in self.tensors.items():
+            if name not in self._digests:
+                self._digests[name] = hashlib.sha256(t.float().contiguous().numpy().tobytes()).hexdigest()
+        tensors = {name: {"shape": list(t.shape), "sha256": self._digests[name]} for name, t in sorted(self.tensors.items())}
         return {**self.to_dict(), **({"tensors": tensors} if tensors else {})}
 
     def fingerprint(self) -> str:
