@@ -531,6 +531,8 @@ def _check_site(where: str, name: str) -> None:
     row = spec(name)
     if row is None or not row.patchable or row.computed:
         raise InputError(f"{where}: {name[:80]!r} is not a hook point (docs/cli.md lists the trace sites)")
+    if row.blocks == "mtp":  # it runs the position before each pass's first again: its rows are not the pass's
+        raise InputError(f"{where}: {name!r} is the MTP module's draft, outside a graph's reach")
 
 
 def _check_write_site(where: str, name: str) -> None:
@@ -613,6 +615,8 @@ class Program:
         for i, op in enumerate(self.ops):
             if "site" in op:
                 self._check_model_site(i, op)
+            if op["op"] == "save" and not self.reads_of(i):
+                raise InputError(f"{self.where(i)}: {op['name']!r} is made of constants alone: save a value made from a read")
         self.consts = {
             op["id"]: (graph.tensors[op["tensor"]].float() if "tensor" in op else _constant(op["value"], ""))
             for op in self.ops
@@ -818,7 +822,8 @@ class GraphRun(Intervention):
             if batched and value.shape[0] != 1:
                 raise InputError("a graph runs on one sequence (batch size 1)")
             if ctx.start != state.start:  # a new pass: a prefill, or a decode step
-                state.start, state.n = ctx.start, ctx.start + ctx.n_rows
+                # its positions so far (logits.last's rows are no positions: the pass has one at least)
+                state.start, state.n = ctx.start, ctx.start + (ctx.n_rows if _position_axis(name) else 1)
                 state.prune(program)
                 state.values.clear()
                 state.fired.clear()
@@ -830,9 +835,9 @@ class GraphRun(Intervention):
             reads, writes = by_site[name]
             for i in reads:
                 op = program.ops[i]
-                picked = _picked(name, rows_first.detach(), op)
+                picked = _picked(name, rows_first.detach(), op).to(torch.float32, copy=True)  # kept past this pass
                 first = ctx.start if _position_axis(name) else state.n - 1
-                state.reads.setdefault(op["id"], []).append((first, picked.float()))
+                state.reads.setdefault(op["id"], []).append((first, picked))
                 state.fired.add(op["id"])
             new = rows_first
             for i in writes:

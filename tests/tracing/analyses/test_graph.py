@@ -60,6 +60,7 @@ def test_the_builder_reads_like_nnsight_and_its_json_goes_round():
         ),
         ([{"op": "const", "id": "c", "value": 1}, {"op": "const", "id": "c", "value": 2}], "used twice"),
         ([{"op": "const", "id": "c", "value": 1}], "writes and saves nothing"),
+        ([{"op": "read", "id": "x", "site": "mtp.0.logits"}], "outside a graph's reach"),
         ([{"op": "const", "id": f"c{i}", "value": 1} for i in range(MAX_OPS + 1)], f"at most {MAX_OPS}"),
     ],
 )
@@ -98,6 +99,7 @@ def test_shapes_sites_and_positions_are_checked_against_the_model_before_it_runs
     # two rows fit the prefill's positions 4 and 5, not a decode step's 4..6: refused before the run
     two = checked(lambda g: g.add("layers.2.resid_pre", g.read("layers.1.resid_post", positions="0:2"), positions="4:"))
     assert f"[3, {args.dim}] (3 positions)" in two
+    assert "constants alone" in checked(lambda g: g.save("c", g.constant(1.0)))
     outer = checked(lambda g: g.save("o", g.read("layers.1.resid_post") * g.constant(torch.ones(4096, 1, 1))))
     assert "a broadcast across two position axes" in outer
     late = Graph()
@@ -111,12 +113,14 @@ def test_a_read_at_the_newest_position_follows_each_decode_step(demo):
     x = g.read("layers.1.resid_post", positions=[-1])
     g.save("newest", x)
     g.save("first_two", g.read("layers.1.resid_post", positions=":2"))
-    trace = demo.run(PROMPT, generate=3, graph=g, record="layers.1.resid_post")
+    g.save("logits", g.read("logits.last"))  # no position axis: the newest position's, one row a pass
+    trace = demo.run(PROMPT, generate=3, graph=g, record="layers.1.resid_post,logits.last")
     start = trace.extra["generation"]["start"]
     resid = trace["layers.1.resid_post"]
     assert torch.equal(trace["graph.newest"], resid[start - 1 :])  # the prefill's last, then each step's own
     assert torch.equal(trace["graph.first_two"], resid[:2].repeat(4, 1))  # absolute positions: the same two each pass
-    assert trace.tables()["graph"].groupby("name")["row"].max().to_dict() == {"first_two": 7, "newest": 3}
+    assert torch.equal(trace["graph.logits"][-1], trace["logits.last"]) and len(trace["graph.logits"]) == 4
+    assert trace.tables()["graph"].groupby("name")["row"].max().to_dict() == {"first_two": 7, "logits": 3, "newest": 3}
 
 
 def test_the_steering_example_adds_its_direction_every_pass_and_is_what_the_script_makes(demo):
