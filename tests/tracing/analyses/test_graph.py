@@ -171,3 +171,19 @@ def test_hooks_on_a_remote_model_point_to_a_graph():
     with pytest.raises(InputError, match="graph=") as caught:
         Client("http://127.0.0.1:9").trace(prompt=PROMPT, hooks={"layers.1.attn_out": lambda v, ctx: None})
     assert "\n" not in str(caught.value)
+
+
+def test_writes_at_heads_and_experts_act_as_the_ready_made_removals(demo):
+    """A head's output replaced by 0 is the head ablated (its probabilities zeroed); an expert's biased
+    score pushed far down is the expert ablated (routed around): the same runs, bit for bit."""
+    plain = demo.run(PROMPT)
+    chosen = int(plain["layers.2.ffn.gate.topk_indices"][-1, 0])  # the last position's first expert in block 2
+    heads = Graph()
+    heads.replace("layers.1.attn.head_out", heads.constant(0.0), heads=[1])
+    experts = Graph()
+    experts.replace("layers.2.ffn.gate.biased_scores", experts.constant(-1e4), experts=[chosen])
+    for graph, spec in ((heads, {"ablate_heads": "1:1"}), (experts, {"ablate": f"2:{chosen}"})):
+        ours, theirs = demo.run(PROMPT, graph=graph), demo.run(PROMPT, interventions=spec)
+        for name in ("layers.3.resid_post", "logits.last"):
+            assert torch.equal(ours[name], theirs[name]), name
+        assert not torch.equal(ours["logits.last"], plain["logits.last"])
