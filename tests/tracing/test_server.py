@@ -110,6 +110,7 @@ def test_a_bad_request_gets_one_line_and_the_server_goes_on(served, body, kind, 
     assert good.status_code == 200 and read_answer(iter([good.content]))
 
 
+_SAVE = {"op": "save", "name": "x", "value": "x"}
 # values the CLI refuses, each of which once ended every rank or ran as another value
 BAD_VALUES = {
     "subnormal temperature": ({"generate": 2, "temperature": 1e-320}, "--temperature must be 0 (greedy) or a finite number"),
@@ -128,6 +129,11 @@ BAD_VALUES = {
     "a 500 kB prompt": ({"prompt": "It is a truth " * 40_000}, "characters; this server takes at most"),
     "a 500 kB target": ({"attribute": True, "target": "x" * 500_000}, "more than one token holds"),
     "a long pattern": ({"record": ["layers.*" + "*" * 300]}, "at most 200"),
+    "a graph of 300 ops": ({"graph": {"graph": 1, "ops": [{"op": "const", "id": "c", "value": 1}] * 300}}, "at most 256"),
+    "a graph past the run": (
+        {"graph": {"graph": 1, "ops": [{"op": "read", "id": "x", "site": "layers.1.resid_pre", "positions": [9]}, _SAVE]}},
+        "position 9 is outside the run's 0..",
+    ),
 }
 
 
