@@ -26,6 +26,7 @@ _EXPORTS = {
     "load": "tracing.cli.loading",
     "Loaded": "tracing.cli.loading",
     "PassContext": "tracing.analyses.interventions",
+    "Graph": "tracing.analyses.graph",
 }
 
 

@@ -170,6 +170,11 @@ class Client:
 
     def trace(self, request: TraceRequest | None = None, on_progress=None, **fields) -> Trace:
         """A Trace of ``request`` (or of a TraceRequest made of ``fields``), run by the server."""
+        if "hooks" in fields:
+            raise InputError(
+                "hooks= run Python functions in this process; a server runs an intervention graph: "
+                "graph=tracing.Graph() (docs/graphs.md)"
+            )
         request = request if request is not None else TraceRequest(**fields)
         data = self.trace_bytes(request, on_progress)
         try:

@@ -28,6 +28,7 @@ from model.config import ModelArgs
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
+from .analyses.graph import Graph, GraphRun, check_graph, graph_of
 from .analyses.intervention_specs import check_positions, from_spec, parse_positions
 from .analyses.interventions import HookFunctions, Intervention, PassContext, PatchAt
 from .analyses.mtp import acceptance
@@ -59,7 +60,9 @@ class TraceRequest:
     ``attention``: "dense" or an index_topk; ``no_act_fp8``: true; the removals may name positions, ``"3:17@5"``, or
     ``at``: "A:B" for the ``{block: [ids]}`` forms). ``patches``: site name -> value (not part of the
     JSON form: it travels as safetensors), put in whole, or only at ``patch_positions`` ("P", "A:B")
-    with the other positions the model's own.
+    with the other positions the model's own. ``graph``: an intervention graph
+    (tracing.analyses.graph.Graph, or its JSON object), applied after the other interventions at
+    every pass; its constant tensors travel beside the JSON as the patches do.
 
     A setting that belongs to another is refused without it (sampling without ``generate``, a
     position without ``attribute``, ``thinking`` without ``chat``): one rule, so nothing is ignored
@@ -83,8 +86,10 @@ class TraceRequest:
     interventions: Mapping[str, Any] = field(default_factory=dict, hash=False)
     patch_positions: str | None = None
     patches: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
+    graph: Graph | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "graph", graph_of(self.graph))
         if isinstance(self.record, str):
             object.__setattr__(self, "record", tuple(p.strip() for p in self.record.split(",") if p.strip()))
         if self.token_ids is not None:
@@ -133,6 +138,8 @@ class TraceRequest:
         if self.patches and (self.generate or self.prefill is not None):
             what = "--generate" if self.generate else "--prefill"
             raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
+        if self.graph is not None:
+            self.graph.check()
         return self
 
     def sampling(self) -> Sampling:
@@ -148,16 +155,24 @@ class TraceRequest:
 
     # the JSON form (the server's wire) ---------------------------------------------------------
     def to_json(self) -> str:
-        """Every field but the patches, as JSON."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "patches"}
+        """Every field but the patches (and the graph's tensors), as JSON."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("patches", "graph")}
+        if self.graph is not None:
+            data["graph"] = self.graph.to_dict()
         try:
             return json.dumps(data, allow_nan=False)
         except ValueError:
             raise InputError("the request holds a number JSON cannot carry (NaN or infinity)") from None
 
     @classmethod
-    def from_json(cls, text: str | bytes, patches: Mapping[str, torch.Tensor] | None = None) -> TraceRequest:
-        """A request from its JSON form; InputError for a field that is unknown or of the wrong type."""
+    def from_json(
+        cls,
+        text: str | bytes,
+        patches: Mapping[str, torch.Tensor] | None = None,
+        graph_tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> TraceRequest:
+        """A request from its JSON form; InputError for a field that is unknown or of the wrong type.
+        ``graph_tensors``: the constant tensors its graph names (they travel beside the JSON)."""
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as exc:
@@ -180,6 +195,10 @@ class TraceRequest:
                 data[name] = tuple(data[name])
         if not isinstance(data.get("interventions", {}), dict):
             raise InputError("request field 'interventions' must be an object")
+        if data.get("graph") is not None:
+            data["graph"] = Graph.from_dict(data["graph"], graph_tensors)
+        elif graph_tensors:
+            raise InputError("the request holds graph tensors but no graph")
         return cls(**data, patches=patches)
 
 
@@ -200,6 +219,7 @@ _TYPES = {
     "contrast": (int, str),
     "interventions": (dict,),
     "patch_positions": (str,),
+    "graph": (dict,),
 }
 
 
@@ -273,6 +293,8 @@ def run(
     if hooks:
         interventions.append(HookFunctions(hooks))
     check_positions(interventions, len(ids) + request.generate)
+    if request.graph is not None:
+        check_graph(request.graph, model.args, len(ids), request.generate, request.prefill)
     return trace_tokens(
         model,
         ids,
@@ -311,6 +333,8 @@ def interventions_of(request: TraceRequest) -> tuple[list[Intervention], Mapping
     if patches and request.patch_positions is not None:  # only there: the model's own elsewhere
         interventions.append(PatchAt(patches, parse_positions("--positions", request.patch_positions)))
         patches = None
+    if request.graph is not None:  # after the others: it reads what they made
+        interventions.append(GraphRun(request.graph))
     return interventions, patches
 
 
@@ -427,6 +451,8 @@ def trace_tokens(
                     stopped = "eos"
                     break
         values = tracer.merged(len(ids))
+        for intervention in interventions:
+            values.update(intervention.recorded())
     if tracer.attributes and not tracer.attribution_info:
         raise InputError(f"--position {attribution.position}: the run ended after {len(ids)} positions (end of sequence)")
     if (info := tracer.attribution_info) and info.get("contrast") is not None and info["target"] == info["contrast"]:
@@ -458,6 +484,8 @@ def trace_tokens(
         info["interventions"] = [i.describe() for i in interventions]
         for intervention in interventions:
             config = intervention.config(config)
+            if isinstance(intervention, GraphRun):
+                info["graph"] = intervention.graph.record()
     if tracer.attribution_info:
         info["attribution"] = tracer.attribution_info
     if token_strings is not None:

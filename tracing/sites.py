@@ -571,6 +571,7 @@ DEFAULT_PATTERNS = tuple(row.pattern.replace("{i}", "*") for row in REGISTRY if 
 _BY_SUFFIX = {row.suffix: row for row in REGISTRY if row.blocks not in ("model", "mtp")}
 _TOP = {row.pattern: row for row in REGISTRY if row.blocks == "model"}
 _MTP = {row.pattern: row for row in REGISTRY if row.blocks == "mtp"}  # sites of a model with an MTP module
+SAVED = "graph."  # a value an intervention graph saved into the trace: graph.<name> (tracing.analyses.graph)
 INDEXER_MISSING = "this model has no indexer (DeepSeek-V3 layout)"
 MTP_MISSING = (
     "this model has no multi-token-prediction module (the checkpoint has none, or it is not loaded: --no-mtp leaves it out)"

@@ -21,7 +21,7 @@ from safetensors.torch import save as save_bytes
 
 from model.config import ConfigError, ModelArgs
 
-from .sites import BLOCK_GROUPS, SITE_GROUPS, index_range, layer_site, site_legend, site_name, site_shape
+from .sites import BLOCK_GROUPS, SAVED, SITE_GROUPS, index_range, layer_site, site_legend, site_name, site_shape
 
 FORMAT = "deepseek-v32-trace"
 VERSION = "1"
@@ -168,6 +168,10 @@ class Trace:
         n = len(ids)
         for name, tensor in self.tensors.items():
             if name == "tokens":
+                continue
+            if name.startswith(SAVED):  # a graph's saved value (tracing.analyses.graph): its own shape
+                if tensor.dtype != torch.float32 or tensor.dim() == 0:
+                    raise TraceError(f"tensor {name!r} (a graph's saved value) must be float32 with a first axis")
                 continue
             site = site_legend(self.config, name)
             if site is None:

@@ -20,6 +20,7 @@ import streamlit as st
 
 from model.config import ModelArgs
 from tracing.analyses.attribution import AttributionRequest
+from tracing.analyses.graph import Graph
 from tracing.analyses.intervention_specs import from_spec
 from tracing.analyses.interventions import Intervention
 from tracing.errors import InputError
@@ -235,10 +236,12 @@ def request_for(
     record: Sequence[str] | None = None,
     patches: dict | None = None,
     patch_positions: str | None = None,
+    graph: Graph | None = None,
 ) -> TraceRequest:
     """The TraceRequest of what a page asks: the prompt as typed (token ids where the checkpoint has
-    no tokenizer), the sidebar's generation and chat framing, a page's interventions, attribution
-    and sites; InputError says what is wrong with the prompt, in the app's words."""
+    no tokenizer), the sidebar's generation and chat framing, a page's interventions (an
+    intervention graph too), attribution and sites; InputError says what is wrong with the prompt,
+    in the app's words."""
     if not prompt.strip():
         raise InputError("The prompt is empty: type some text, then press Trace.")
     if chat is not None and (refusal := om.chat_refusal()) is not None:
@@ -269,6 +272,7 @@ def request_for(
         interventions=dict(interventions or {}),
         patches=patches,
         patch_positions=patch_positions,
+        graph=graph,
     )
 
 
@@ -328,6 +332,7 @@ def trace_prompt(
     record: Sequence[str] | None = None,
     chat: Chat | None = None,
     patch_positions: str | None = None,
+    graph: Graph | None = None,
 ) -> Entry:
     """The trace of ``prompt`` on this model, from the store or traced now.
 
@@ -339,7 +344,8 @@ def trace_prompt(
     index_topk) are named in the key by :func:`describe_interventions` on their own.
     ``generation``: the tokens to write after the prompt, through the decode path, with the
     interventions applied at every step; named in the key too; ``chat`` frames the prompt as a chat
-    turn, also named in the key. ``attribution`` and ``record`` (site patterns instead of the app's
+    turn, also named in the key; ``graph``, an intervention graph (tracing.analyses.graph), named in
+    the key by its fingerprint. ``attribution`` and ``record`` (site patterns instead of the app's
     usual ones) add an analysis to the run; name them in ``variant``. InputError says what is wrong
     with any of them.
     """
@@ -351,11 +357,14 @@ def trace_prompt(
         if described:
             variant = described if variant is None else (variant, described)
             named.append("; ".join(described))
+    if graph is not None:
+        variant = ("graph", graph.fingerprint()) if variant is None else (variant, ("graph", graph.fingerprint()))
+        named.append(graph.describe())
     key = TraceKey.for_prompt(om, prompt, variant, generation, chat)
     entry = store().get(key)
     if entry is not None:
         return entry
-    request = request_for(om, prompt, generation, chat, interventions, attribution, record, patches, patch_positions)
+    request = request_for(om, prompt, generation, chat, interventions, attribution, record, patches, patch_positions, graph)
     ids = _encoded(om, request)
     if record is None:
         request = dataclasses.replace(request, record=tuple(record_patterns(om.args, len(ids) + request.generate)))

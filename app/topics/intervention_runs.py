@@ -5,7 +5,8 @@ tokenizer, compared block by block. The page lays these out; nothing here draws.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import pandas as pd
@@ -15,8 +16,10 @@ from app.core.models import AppModel, open_model
 from app.core.traces import Entry, TraceKey, request_for, store, trace_prompt
 from model.config import ModelArgs
 from tracing.analyses.diff import check_shapes, check_tokenizers, diff_tables, summary
+from tracing.analyses.graph import Graph
 from tracing.analyses.intervention_specs import from_spec
 from tracing.analyses.interventions import Intervention
+from tracing.errors import InputError
 
 from .interventions import ARRIVING, PER_BLOCK, PerBlock, moe_block_ids
 
@@ -44,6 +47,25 @@ def spec_of(state: Mapping, cfg: ModelArgs) -> dict[str, Any]:
 def changes(spec: Mapping[str, Any]) -> list[Intervention]:
     """What ``spec`` changes (empty: nothing to run); InputError when it does not read."""
     return from_spec(spec)
+
+
+def read_graph(files: Sequence[tuple[str, bytes]]) -> Graph | None:
+    """The intervention graph of uploaded files (name, bytes): one ``.json`` graph, and the
+    ``.safetensors`` file it names when it has tensor constants; None when no file is given."""
+    if not files:
+        return None
+    graphs = [(name, data) for name, data in files if name.lower().endswith(".json")]
+    if len(graphs) != 1:
+        raise InputError(f"Upload one graph file (.json), and the .safetensors file it names; got {len(graphs)} .json files.")
+    others = {PurePath(name).name: data for name, data in files if not name.lower().endswith(".json")}
+
+    def beside(name: str) -> bytes:
+        if name not in others:
+            raise InputError(f"The graph's constants are in {name}: upload that file with the graph.")
+        return others[name]
+
+    name, data = graphs[0]
+    return Graph.from_file(data, beside, name).check()
 
 
 def add_expert(state: MutableMapping, key: str, expert: int) -> None:
@@ -119,11 +141,17 @@ def baseline(om: AppModel, key: TraceKey) -> Entry:
     return trace_prompt(om, key.prompt, generation=key.generation, chat=key.chat)
 
 
-def intervened(om: AppModel, base: Entry, spec: Mapping[str, Any], on_block: Callable[[int], None] | None = None) -> Entry:
-    """The baseline's prompt run again with ``spec``'s interventions (from the store when it has the run),
-    generating as the baseline did."""
+def intervened(
+    om: AppModel,
+    base: Entry,
+    spec: Mapping[str, Any],
+    on_block: Callable[[int], None] | None = None,
+    graph: Graph | None = None,
+) -> Entry:
+    """The baseline's prompt run again with ``spec``'s interventions and ``graph`` (from the store when it
+    has the run), generating as the baseline did."""
     key = base.key
-    return trace_prompt(om, key.prompt, on_block, interventions=spec, generation=key.generation, chat=key.chat)
+    return trace_prompt(om, key.prompt, on_block, interventions=spec, generation=key.generation, chat=key.chat, graph=graph)
 
 
 def diff(base: Entry, iv: Entry) -> tuple[dict[str, pd.DataFrame], dict]:
@@ -179,6 +207,7 @@ KEYS: tuple[Key, ...] = (
     Key("iv_topk", "Interventions: the other index_topk", kept=True),
     Key("iv_no_act_fp8", "Interventions: FP8 products without the activations' rounding", False, kept=True, link=flag),
     Key("iv_at", "Interventions: the positions the removals act at (P, A:B; empty: every position)", kept=True, link=text(64)),
+    Key("iv_graph", "Interventions: the intervention graph uploaded (a .json, and the .safetensors it names)"),
     Key("iv_load_block", "Interventions: the block whose expert load is shown"),
     Key("iv_add_busiest_", "Interventions: add the busiest experts (per kind)", family=True),
     Key("iv_experts_", "Interventions: experts ablated in a block", family=True),

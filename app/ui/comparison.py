@@ -36,7 +36,10 @@ def compare(base: Entry, iv: Entry, spec: dict[str, Any]) -> None:
         return
     st.subheader("Baseline vs intervened", anchor=False)
     st.markdown(
-        " ".join(f":red-badge[:material/science: {widgets.escape_md(d)}]" for d in describe_interventions(from_spec(spec)))
+        " ".join(
+            f":red-badge[:material/science: {widgets.escape_md(d)}]"
+            for d in b.extra.get("interventions") or describe_interventions(from_spec(spec))
+        )
     )
     summary_metrics(info, tables, a.config.n_layers, iv.memo(("logit_move", base.key), lambda: interventions.logit_move(a, b)))
 

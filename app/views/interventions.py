@@ -23,7 +23,7 @@ from app.topics import intervention_runs as runs
 from app.topics.interventions import ARRIVING
 from app.ui import comparison, intervention_controls, progress, widgets
 
-RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run}: enough to run it again
+RESULT = "iv_result"  # {"base": the baseline's store key, "spec": what was run, "graph": its fingerprint or None}
 COMPARE = {"interventions": "interventions on this checkpoint", "checkpoint": "another checkpoint"}
 OTHER = "iv_other_result"  # {"base": the baseline's store key, "dir": the other checkpoint as typed}
 
@@ -53,6 +53,15 @@ def page() -> None:
     arrived = runs.arrive(st.session_state)
     runs.keep(st.session_state, cfg)
     intervention_controls.controls(base, cfg)
+    st.file_uploader(
+        "Intervention graph (optional)",
+        type=["json", "safetensors"],
+        accept_multiple_files=True,
+        key="iv_graph",
+        help="A graph file (docs/graphs.md): reads, arithmetic, writes and saves at trace sites, applied at every "
+        "pass after the interventions above; with the .safetensors file it names when it has tensor constants. "
+        "It runs as `python -m tracing run --graph FILE.json` does.",
+    )
     run = st.button("Run with these interventions", type="primary", key="iv_run", icon=":material/play_arrow:")
     if run or arrived:
         run_now(om, base, cfg)
@@ -68,7 +77,15 @@ def page() -> None:
             icon=":material/refresh:",
         )
         return
-    iv = intervened(om, base, result["spec"])
+    try:
+        graph = uploaded_graph()
+    except BAD_INPUT as exc:
+        st.error(f"**The graph file is not usable.** {widgets.escape_md(str(exc))}", icon=":material/error:")
+        return
+    if (graph.fingerprint() if graph is not None else None) != result.get("graph"):
+        st.info("The graph file changed since the last run: press **Run with these interventions**.", icon=":material/refresh:")
+        return
+    iv = intervened(om, base, result["spec"], graph)
     if iv is not None:
         comparison.compare(base, iv, result["spec"])
 
@@ -129,29 +146,36 @@ def baseline(om: AppModel) -> Entry | None:
         return None
 
 
+def uploaded_graph():
+    """The intervention graph of the uploader's files, or None (InputError when they do not make one)."""
+    files = st.session_state.get("iv_graph") or []
+    return runs.read_graph([(f.name, f.getvalue()) for f in files])
+
+
 def run_now(om: AppModel, base: Entry, cfg) -> None:
     try:
         spec = runs.spec_of(st.session_state, cfg)
-        if not runs.changes(spec):
+        graph = uploaded_graph()
+        if not runs.changes(spec) and graph is None:
             st.warning(
                 "Nothing to change: choose experts to ablate or zero, heads to ablate, the router without its bias, "
-                "another attention, or no FP8 activation rounding."
+                "another attention, no FP8 activation rounding, or upload an intervention graph."
             )
             return
         n = cfg.n_layers
         with progress.progress(st, "intervene", "Running with the interventions…") as step:
-            runs.intervened(om, base, spec, lambda i: step(i / n, f"Block {i} ({i + 1} of {n})…"))
+            runs.intervened(om, base, spec, lambda i: step(i / n, f"Block {i} ({i + 1} of {n})…"), graph)
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
-    st.session_state[RESULT] = {"base": base.key, "spec": spec}
+    st.session_state[RESULT] = {"base": base.key, "spec": spec, "graph": graph.fingerprint() if graph is not None else None}
 
 
-def intervened(om: AppModel, base: Entry, spec: dict[str, Any]) -> Entry | None:
+def intervened(om: AppModel, base: Entry, spec: dict[str, Any], graph=None) -> Entry | None:
     """The last run's trace, from the store, or run again when the store dropped it."""
     try:
         with st.spinner("Running with the interventions…"):
-            return runs.intervened(om, base, spec)
+            return runs.intervened(om, base, spec, graph=graph)
     except BAD_INPUT as exc:
         st.error(f"**Not run.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return None

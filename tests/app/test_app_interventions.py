@@ -17,8 +17,10 @@ from app.core.traces import Entry, describe_interventions, record_patterns, stor
 from app.topics import attribution
 from tests.app.apptest import messages, start
 from tracing.analyses.attribution import AttributionRequest
+from tracing.analyses.graph import Graph, GraphRun
 from tracing.analyses.intervention_specs import from_spec
 from tracing.analyses.interventions import AblateExperts, AblateHeads, IndexTopK, NoGateBias, ZeroExperts
+from tracing.cli.loading import REPO
 from tracing.runner import trace_tokens
 
 PAGE = "views/interventions.py"
@@ -369,3 +371,26 @@ def test_removals_at_positions_leave_the_positions_before_alone(app):
     app.text_input(key="iv_at").set_value("9:2").run()
     run(app)
     assert "holds no position" in messages(app.error)
+
+
+def test_an_uploaded_graph_runs_as_the_command_line(app):
+    """The steering example uploaded with its constants: the intervened trace is the one its graph makes
+    outside the app."""
+    examples = REPO / "docs" / "examples"
+    files = [
+        (name, (examples / name).read_bytes(), "application/octet-stream") for name in ("steering.json", "steering.safetensors")
+    ]
+    app.file_uploader(key="iv_graph").set_value(files)
+    run(app)
+    assert not app.error, messages(app.error)
+    base = baseline_entry(app)
+    graph = Graph.load(examples / "steering.json")
+    assert app.session_state["iv_result"]["graph"] == graph.fingerprint()
+    key = replace(base.key, variant=("graph", graph.fingerprint()))
+    iv = store().get(key)
+    assert iv is not None and iv.trace.extra["graph"]["ops"] == graph.to_dict()["ops"]
+    model = open_model(base.key.checkpoint, base.key.dtype).loaded.model
+    ids = base.trace.token_ids
+    want = trace_tokens(model, ids, record=record_patterns(base.trace.config, len(ids)), interventions=[GraphRun(graph)])
+    assert_same_tensors(iv.trace.tensors, want.tensors)
+    assert metrics(app)  # the comparison is shown

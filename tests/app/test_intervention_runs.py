@@ -15,6 +15,7 @@ from app.topics import intervention_runs as runs
 from app.topics.interventions import ARRIVING, ask_to_remove
 from model import TINY
 from tracing.analyses.interventions import AblateExperts, AblateHeads, NoGateBias, ZeroExperts
+from tracing.cli.loading import REPO
 from tracing.errors import InputError
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -98,3 +99,16 @@ def test_the_same_checkpoint_compared_with_itself_differs_nowhere(om, base, app_
     tables, info = runs.pair_diff(a, b)
     assert info["first_block_changed"] is None and info["kl_mean"] == 0.0 and info["top1_agreement"] == 1.0
     assert len(tables["blocks"]) == om.args.n_layers
+
+
+def test_an_uploaded_graph_needs_its_constants_file_and_one_json():
+    examples = REPO / "docs" / "examples"
+    graph, constants = ((name, (examples / name).read_bytes()) for name in ("steering.json", "steering.safetensors"))
+    assert runs.read_graph([]) is None
+    assert runs.read_graph([graph, constants]).tensors["direction"].shape == (256,)
+    with pytest.raises(InputError, match="steering.safetensors: upload that file with the graph"):
+        runs.read_graph([graph])
+    with pytest.raises(InputError, match="got 2 .json files"):
+        runs.read_graph([graph, ("other.json", b"{}")])
+    with pytest.raises(InputError, match="not JSON"):
+        runs.read_graph([("bad.json", b"{nope")])

@@ -23,6 +23,7 @@ import torch
 from starlette.testclient import TestClient
 
 from tests.tracing.serving import TOKEN, in_process, post
+from tracing.analyses.graph import Graph
 from tracing.cli.commands import main
 from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
@@ -69,6 +70,23 @@ def test_a_trace_over_http_is_the_trace_run_makes(served):
     ]
 
 
+def test_a_graph_on_the_server_makes_the_local_trace(served):
+    """docs/examples' mean ablation travels as JSON (the steering one, with its tensor, through the
+    command line in test_server_commands.py); the server's trace is the one a run here makes, to the
+    byte. A graph that does not fit the model is refused before the queue."""
+    client, state, loaded = served
+    graph = Graph.load(REPO / "docs" / "examples" / "mean_ablation.json")
+    request = TraceRequest(prompt="It is a truth", generate=2, graph=graph)
+    answer = post(client, request)
+    assert answer.status_code == 200, answer.text
+    want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
+    assert read_answer(iter([answer.content])) == want.to_bytes() and "graph.attn_out_mean" in want
+    wide = Graph()
+    wide.add("layers.1.resid_pre", wide.constant(torch.ones(3)))  # the model's width is not 3
+    answer = post(client, TraceRequest(prompt="It is", graph=wide))
+    assert answer.status_code == 422 and "has shape [3]" in answer.json()["error"]
+
+
 @pytest.mark.parametrize(
     "body, kind, status, words",
     [
@@ -92,6 +110,7 @@ def test_a_bad_request_gets_one_line_and_the_server_goes_on(served, body, kind, 
     assert good.status_code == 200 and read_answer(iter([good.content]))
 
 
+_SAVE = {"op": "save", "name": "x", "value": "x"}
 # values the CLI refuses, each of which once ended every rank or ran as another value
 BAD_VALUES = {
     "subnormal temperature": ({"generate": 2, "temperature": 1e-320}, "--temperature must be 0 (greedy) or a finite number"),
@@ -110,6 +129,11 @@ BAD_VALUES = {
     "a 500 kB prompt": ({"prompt": "It is a truth " * 40_000}, "characters; this server takes at most"),
     "a 500 kB target": ({"attribute": True, "target": "x" * 500_000}, "more than one token holds"),
     "a long pattern": ({"record": ["layers.*" + "*" * 300]}, "at most 200"),
+    "a graph of 300 ops": ({"graph": {"graph": 1, "ops": [{"op": "const", "id": "c", "value": 1}] * 300}}, "at most 256"),
+    "a graph past the run": (
+        {"graph": {"graph": 1, "ops": [{"op": "read", "id": "x", "site": "layers.1.resid_pre", "positions": [9]}, _SAVE]}},
+        "position 9 is outside the run's 0..",
+    ),
 }
 
 
@@ -249,9 +273,12 @@ RUNS = {
     "attribute": ["--attribute", "--record", "default,flow"],
     "intervention": ["--no-gate-bias", "--ablate-heads", "1:0", "--zero-experts", "2:3"],
 }
+GRAPH_RUN = ["--generate", "2", "--graph", str(REPO / "docs" / "examples" / "mean_ablation.json")]  # every rank runs it
 
 
-@pytest.mark.parametrize("flags", list(RUNS.values()), ids=list(RUNS))
+@pytest.mark.parametrize(
+    "flags", [*RUNS.values(), pytest.param(GRAPH_RUN, id="graph", marks=pytest.mark.slow)], ids=[*RUNS, "graph"]
+)
 def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_checkpoint, tmp_path, flags):
     local, remote = tmp_path / "local.safetensors", tmp_path / "remote.safetensors"
     argv = ["run", "--prompt", PROMPT, *flags]

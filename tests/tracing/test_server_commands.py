@@ -11,7 +11,10 @@ import pandas as pd
 import pytest
 
 from tests.tracing.serving import listening
+from tracing.analyses.graph import Graph
 from tracing.cli.commands import main
+from tracing.cli.loading import REPO
+from tracing.client import Client
 from tracing.sites import select
 from tracing.trace import Trace
 
@@ -68,6 +71,20 @@ def test_prompt_sets_on_a_server_give_the_local_means(server, app_checkpoint, tm
         assert main(["eval", *source, "--prompts", str(prompts), "--index-topk", "3"]) == 0
         lines.append({**json.loads(capsys.readouterr().out), "seconds": 0})
     assert lines[0] == lines[1] and lines[0]["difference_past_topk"]["n"] == 2
+
+
+def test_run_graph_on_a_server_writes_the_local_trace(server, app_checkpoint, tmp_path):
+    """docs/examples/steering.json (its direction in the safetensors file beside it) from the command
+    line here and through the server, and from Python's client: one trace, to the byte."""
+    graph = REPO / "docs" / "examples" / "steering.json"
+    argv = ["run", "--prompt", PROMPT, "--generate", "2", "--graph", str(graph)]
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "l.safetensors")]) == 0
+    assert main([*argv, "--server", server, "--out", str(tmp_path / "r.safetensors")]) == 0
+    local = (tmp_path / "l.safetensors").read_bytes()
+    assert (tmp_path / "r.safetensors").read_bytes() == local
+    with Client(server) as client:
+        assert client.trace(prompt=PROMPT, generate=2, graph=Graph.load(graph)).to_bytes() == local
+    assert Trace.load(tmp_path / "l.safetensors").extra["graph"]["tensors"]["direction"]["sha256"]
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,10 @@ class Intervention:
     def describe(self) -> str:
         return type(self).__name__
 
+    def recorded(self) -> dict[str, torch.Tensor]:
+        """Values the intervention adds to the trace once the run is over (a graph's saves)."""
+        return {}
+
 
 def _moe_layers(args: ModelArgs, layers: tuple[int, ...] | None) -> list[int]:
     chosen = range(args.n_dense_layers, args.n_layers) if layers is None else layers

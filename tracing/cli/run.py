@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from ..analyses.graph import Graph
 from ..errors import InputError
 from ..runner import TraceRequest
 from ..sampling import SEEDS
@@ -70,6 +71,12 @@ def add_parser(sub) -> None:
     run.add_argument("--sites", metavar="PATTERN,...", help="with --patch-from: the sites to patch (glob patterns)")
     run.add_argument("--positions", metavar="P|A:B", help="with --patch or --patch-from: patch only these positions (A..B-1)")
     add_intervention_flags(run)
+    run.add_argument(
+        "--graph",
+        type=named_path,
+        metavar="FILE.json",
+        help="an intervention graph (docs/graphs.md): reads, arithmetic, writes and saves at trace sites, every pass",
+    )
     run.add_argument(
         "--attribute",
         action="store_true",
@@ -141,6 +148,7 @@ def request_from_args(args: argparse.Namespace) -> TraceRequest:
         contrast=args.contrast,
         interventions=interventions,
         patch_positions=args.positions,
+        graph=Graph.load(args.graph) if args.graph else None,
         patches=_load_patches(args.patch)
         if args.patch
         else _patches_from(args.patch_from, args.sites)

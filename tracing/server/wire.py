@@ -1,8 +1,9 @@
 """What travels between a client and the model server: no pickle anywhere.
 
 A request is a :class:`~tracing.runner.TraceRequest` in its JSON form, sent as ``application/json``;
-one with patches is a safetensors file (``application/x-safetensors``) whose tensors are the
-patches and whose metadata holds the request's JSON under ``request``. The answer streams
+one with patches, or with a graph holding constant tensors, is a safetensors file
+(``application/x-safetensors``) whose tensors are the patches (by site name) and the graph's
+constants (``graph/<name>``), and whose metadata holds the request's JSON under ``request``. The answer streams
 (``application/x-ndjson``): one JSON object a line while the request waits and runs (``queued``:
 its place; ``progress``: block i of n, step j of N; ``heartbeat``: the seconds since it came, when
 nothing else was sent for :data:`HEARTBEAT` seconds), then ``{"trace": N}`` followed by the trace
@@ -19,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from ..analyses.graph import WIRE
 from ..errors import InputError
 from ..runner import TraceRequest
 
@@ -70,10 +72,12 @@ class Limits:
 
 def encode_request(request: TraceRequest) -> tuple[bytes, str]:
     """The body and content type of a request."""
-    if not request.patches:
+    constants = request.graph.tensors if request.graph is not None else {}
+    if not request.patches and not constants:
         return request.to_json().encode(), JSON
-    patches = {name: value.detach().cpu().contiguous() for name, value in request.patches.items()}
-    return save_safetensors(patches, metadata={REQUEST_KEY: request.to_json()}), SAFETENSORS
+    tensors = {name: value.detach().cpu().contiguous() for name, value in (request.patches or {}).items()}
+    tensors.update((WIRE + name, value.contiguous()) for name, value in constants.items())
+    return save_safetensors(tensors, metadata={REQUEST_KEY: request.to_json()}), SAFETENSORS
 
 
 def decode_request(body: bytes, content_type: str, limits: Limits) -> TraceRequest:
@@ -92,7 +96,7 @@ def decode_request(body: bytes, content_type: str, limits: Limits) -> TraceReque
     if n_patches > limits.max_patches:  # counted before a tensor is made: the cost that grows with them
         raise TooLarge(f"the body holds {n_patches:,} patches; this server takes at most {limits.max_patches:,}")
     try:
-        patches = load_safetensors(body)
+        tensors = load_safetensors(body)
     except unreadable as exc:
         raise InputError(f"the patches are not a readable safetensors file ({exc})") from None
     metadata = header.get("__metadata__") or {}
@@ -100,12 +104,14 @@ def decode_request(body: bytes, content_type: str, limits: Limits) -> TraceReque
         raise InputError("the patches are not a readable safetensors file (__metadata__ is not an object)")
     if REQUEST_KEY not in metadata:
         raise InputError(f"the safetensors body holds no {REQUEST_KEY!r} metadata (the request's JSON)")
-    size = sum(t.numel() * t.element_size() for t in patches.values())
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
     if size > limits.max_patch_bytes:
         raise TooLarge(
             f"the patches hold {size / 2**20:.3g} MiB, more than this server takes ({limits.max_patch_bytes / 2**20:.3g})"
         )
-    return TraceRequest.from_json(metadata[REQUEST_KEY], patches=patches)
+    constants = {name.removeprefix(WIRE): t for name, t in tensors.items() if name.startswith(WIRE)}
+    patches = {name: t for name, t in tensors.items() if not name.startswith(WIRE)}
+    return TraceRequest.from_json(metadata[REQUEST_KEY], patches=patches or None, graph_tensors=constants or None)
 
 
 def _header(body: bytes) -> dict:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..analyses.graph import check_graph
 from ..analyses.interventions import check_patch
 from ..errors import InputError
 from ..runner import TraceRequest, run
@@ -171,6 +172,8 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
         intervention.replacements(args)
         intervention.config(args)
     check_positions(interventions, n_positions)
+    if request.graph is not None:  # its sites, positions and every shape, on meta tensors
+        check_graph(request.graph, args, len(ids), request.generate, request.prefill)
     select(args, list(request.record))  # a pattern that matches no site
     for name, value in (request.patches or {}).items():
         legend = site_legend(args, name)

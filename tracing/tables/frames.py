@@ -12,7 +12,7 @@ import torch
 
 from ..analyses.margins import NEAR_TIE
 from ..analyses.mtp import drafted, verified
-from ..sites import part_name
+from ..sites import SAVED, part_name
 from ..trace import Trace
 from .grid import index_grid
 
@@ -451,6 +451,26 @@ def flow_table(trace: Trace) -> pd.DataFrame:
     return out.sort_values(["block", "stage", "position"], kind="stable", ignore_index=True)[columns]
 
 
+def graph_table(trace: Trace) -> pd.DataFrame:
+    """What an intervention graph saved (``graph.<name>``): one row per number, by its row (the passes'
+    rows in order: a prefill's, then each decode step's) and its flat index within the row."""
+    frames = []
+    for name in sorted(n for n in trace.tensors if n.startswith(SAVED)):
+        value = trace[name].reshape(len(trace[name]), -1)  # (rows, numbers per row)
+        rows, width = value.shape
+        frames.append(
+            pd.DataFrame(
+                {
+                    "name": name.removeprefix(SAVED),
+                    "row": np.repeat(np.arange(rows), width),
+                    "index": np.tile(np.arange(width), rows),
+                    "value": value.flatten().numpy(),
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 BUILDERS = {
     "tokens": tokens_table,
     "residual": residual_table,
@@ -467,6 +487,7 @@ BUILDERS = {
     "attribution": attribution_table,
     "expert_lens": expert_lens_table,
     "flow": flow_table,
+    "graph": graph_table,
 }
 
 
