@@ -1,10 +1,12 @@
 """The command line: outputs, and exit status 2 with one clear line for each kind of bad input."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from model.synthetic import SyntheticSource
 from tests.devcheckpoint import train_tokenizer
 from tracing.cli.commands import main
 from tracing.trace import Trace
+
+REPO = Path(__file__).resolve().parents[3]
 
 REAL_HF = "assets/configs/config_671B_hf.json"
 
@@ -212,56 +216,66 @@ def split_checkpoint(tmp_path_factory):
 
 
 ANALYSES = ["--attribute", "--record", "default,flow,layers.*.attn.attribution_src"]
+TORCHRUN_CASES = {  # name: (flags, on the checkpoint split in every layer)
+    "prefill": ([], False),
+    "decode and generate": (["--prefill", "6", "--generate", "3"], False),
+    "attribution and flow, heads split": (ANALYSES, True),
+    "attribution, decode path, heads split": ([*ANALYSES, "--prefill", "8"], True),
+}
+TORCHRUN_IDS = "1,2,3,4,5,6,7,8,9,10,11,12"
+# each case's command, one after another in the ranks torchrun started: one launch for all (each costs
+# two interpreters importing torch), one process group for all (a group formed again on the same
+# store may meet the last group's addresses), left once at the end
+RUN_EACH = """
+import json, sys
+from tracing.cli import commands
+leave, commands._leave_process_group = commands._leave_process_group, lambda: None
+try:
+    for argv in json.loads(sys.argv[1]):
+        if code := commands.main(argv):
+            sys.exit(code)
+finally:
+    leave()
+"""
 
 
-@pytest.mark.parametrize(
-    "more, split",
-    [([], False), (["--prefill", "6", "--generate", "3"], False), (ANALYSES, True), ([*ANALYSES, "--prefill", "8"], True)],
-    ids=["prefill", "decode and generate", "attribution and flow, heads split", "attribution, decode path, heads split"],
-)
-def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, split_checkpoint, tmp_path, more, split):
-    """Two ranks (gloo) write the one-process trace: the default sites bit for bit; the attribution,
-    its sources and the contribution graph (the heads and the vocabulary gathered over the ranks)
-    within float32 summation order."""
-    checkpoint = split_checkpoint if split else tiny_checkpoint
-    ids = "1,2,3,4,5,6,7,8,9,10,11,12"
-    single, pair = tmp_path / "single.safetensors", tmp_path / "pair.safetensors"
-    assert main(["run", "--checkpoint", str(checkpoint), "--token-ids", ids, "--out", str(single), *more]) == 0
+@pytest.fixture(scope="module")
+def torchrun_traces(tiny_checkpoint, split_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """Each case of TORCHRUN_CASES run by ``python -m tracing run`` on two ranks (gloo) under torchrun."""
     import socket
 
+    out = tmp_path_factory.mktemp("torchrun")
+    traces, commands = {}, []
+    for i, (name, (more, split)) in enumerate(TORCHRUN_CASES.items()):
+        traces[name] = out / f"{i}.safetensors"
+        checkpoint = split_checkpoint if split else tiny_checkpoint
+        commands.append(["run", "--checkpoint", str(checkpoint), "--token-ids", TORCHRUN_IDS, "--out", str(traces[name]), *more])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "-m",
-            "tracing",
-            "run",
-            "--checkpoint",
-            str(checkpoint),
-            "--token-ids",
-            ids,
-            "--out",
-            str(pair),
-            *more,
-        ],
+        [*launch, "--master-port", str(port), "--no-python", sys.executable, "-c", RUN_EACH, json.dumps(commands)],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        cwd=REPO,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    a, b = Trace.load(single), Trace.load(pair)
+    return traces
+
+
+@pytest.mark.parametrize("case", list(TORCHRUN_CASES))
+def test_torchrun_two_ranks_write_the_one_process_trace(tiny_checkpoint, split_checkpoint, torchrun_traces, tmp_path, case):
+    """Two ranks (gloo) write the one-process trace: the default sites bit for bit; the attribution,
+    its sources and the contribution graph (the heads and the vocabulary gathered over the ranks)
+    within float32 summation order."""
+    more, split = TORCHRUN_CASES[case]
+    checkpoint = split_checkpoint if split else tiny_checkpoint
+    single = tmp_path / "single.safetensors"
+    assert main(["run", "--checkpoint", str(checkpoint), "--token-ids", TORCHRUN_IDS, "--out", str(single), *more]) == 0
+    a, b = Trace.load(single), Trace.load(torchrun_traces[case])
     assert set(a.tensors) == set(b.tensors)
     if split:
         assert a.extra["attribution"] == b.extra["attribution"]
