@@ -415,7 +415,7 @@ def trace_tokens(
         what = "--generate" if generate else "--prefill"
         raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
     if gradient is not None:
-        check_gradient(gradient, model.args, n_prefill < len(ids) or generate, plan, context)
+        check_gradient(gradient, model.args, n_prefill < len(ids) or bool(generate), plan, context is not None)
     if device is None:
         device = model.embed.weight.device
         device = torch.device("cpu") if device.type == "meta" else device
@@ -498,7 +498,7 @@ def trace_tokens(
     return Trace(values, config, tokens, prompt, info)
 
 
-def check_gradient(gradient: tuple[int, int], args: ModelArgs, passes: bool, plan, context) -> None:
+def check_gradient(gradient: tuple[int, int], args: ModelArgs, passes: bool, plan, streamed: bool) -> None:
     """What a gradient run needs: two tokens of the vocabulary, one prefill, one process, weights held."""
     bad = [i for i in gradient if not 0 <= i < args.vocab_size]
     if bad:
@@ -507,7 +507,7 @@ def check_gradient(gradient: tuple[int, int], args: ModelArgs, passes: bool, pla
         raise InputError("gradient_of applies to one prefill of every position")
     if plan is not None and plan.world > 1:
         raise InputError("gradient_of: a model split over ranks has no backward pass here yet; serve it on one rank")
-    if context is not None:
+    if streamed:
         raise InputError("gradient_of: the backward pass needs the weights held, not streamed")
 
 

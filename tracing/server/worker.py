@@ -150,7 +150,7 @@ class Model:
 def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     """Everything rank 0 can check before a request is queued (its token ids, as they will run)."""
     from ..analyses.intervention_specs import check_positions
-    from ..runner import attribution_of, check_prefill, check_token_ids, encode, interventions_of
+    from ..runner import attribution_of, check_gradient, check_prefill, check_token_ids, encode, interventions_of
 
     _within_limits(request, limits)
     request.check()
@@ -164,6 +164,8 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     n_positions = len(ids) + request.generate
     if request.prefill is not None:
         check_prefill(request.prefill, len(ids))
+    if request.gradient_of is not None:  # what its backward pass needs: one prefill, one rank, weights held
+        check_gradient(request.gradient_of, args, False, model.loaded.plan, bool(model.loaded.stream))
     if (attribution := attribution_of(request, model.loaded.tokenizer)) is not None:
         attribution.check(n_positions, args.vocab_size)
     interventions, _ = interventions_of(request)
