@@ -764,7 +764,8 @@ def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | 
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:
     """Site names matching glob patterns (``*`` crosses dots); 'default', 'attribution' (with its
     defaults: the last position's top prediction), 'flow' (the contribution graph), 'gradient' (with
-    a request's ``gradient_of``) and 'all' are shorthands.
+    a request's ``gradient_of``) and 'all' are shorthands. A gradient's site (``grad.*``) matches
+    only a pattern that names it (one that holds "grad").
 
     Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
     record nothing; the default patterns need not match (a model without a MoE block has no gate).
@@ -784,8 +785,8 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             matched = [n for n in names if analysis(n) == pattern]
         elif pattern == "all":  # not the analyses: the attribution needs a position and a target, the graph is costly
             matched = [n for n in names if not analysis(n)]
-        else:
-            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        else:  # the gradient's sites only by a pattern that says so: 'layers.*.resid_pre' means the stream
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern) and ("grad" in pattern or analysis(n) != "gradient")]
             if not matched and any(fnmatch.fnmatchcase(n, pattern) for n in _MTP):
                 raise InputError(f"--record pattern {pattern!r}: {MTP_MISSING}")
             if not matched and not args.has_indexer and _indexer_only(pattern):
@@ -817,7 +818,7 @@ def _with_groups(args: ModelArgs, chosen: list[str]) -> list[str]:
 @lru_cache(maxsize=16)
 def _default_sites(args: ModelArgs) -> tuple[str, ...]:
     """The default patterns' sites of a config, matched once: every trace asks (1-2 ms of globbing a time)."""
-    return tuple(n for n in site_shapes(args) if any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS))
+    return tuple(n for n in site_shapes(args) if not analysis(n) and any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS))
 
 
 def _indexer_only(pattern: str) -> bool:

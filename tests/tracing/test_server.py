@@ -69,6 +69,17 @@ def test_a_trace_over_http_is_the_trace_run_makes(served):
     ]
 
 
+def test_a_gradient_over_http_is_the_gradient_run_takes(served):
+    client, state, loaded = served
+    request = TraceRequest(prompt=PROMPT, record=("logits.last", "layers.*.grad.attn.head_out"), gradient_of=(5, 9))
+    answer = post(client, request)
+    assert answer.status_code == 200
+    want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
+    assert read_answer(iter([answer.content])) == want.to_bytes() and "layers.1.grad.attn.head_out" in want.tensors
+    answer = post(client, TraceRequest(prompt=PROMPT, gradient_of=(5, 9), generate=2))
+    assert answer.status_code == 422 and "cannot be combined with --generate" in answer.text
+
+
 @pytest.mark.parametrize(
     "body, kind, status, words",
     [
