@@ -12,7 +12,7 @@ from app.core.traces import Entry, request_for, token_limit, token_of, trace_pro
 from tracing.analyses.patching import Cell, Sweep, patch_of, record_for, sweep
 from tracing.errors import InputError
 
-MAX_RUNS = 3000  # one forward each: a sweep larger than this is refused before it starts
+MAX_RUNS = 3000  # one forward each (the exact method): a sweep larger than this is refused before it starts
 
 
 def run_sweep(
@@ -24,10 +24,12 @@ def run_sweep(
     target: str = "",
     contrast: str = "",
     on_cell: Callable[[int, int], None] | None = None,
+    method: str = "exact",
 ) -> Sweep:
     """Every cell of ``sites`` x blocks x ``positions`` of the clean prompt patched into the corrupt one, each
     scored by how much of the clean logit difference it restores; ``target`` and ``contrast`` (a token's text
-    or id, empty: the clean and the corrupt top) name the difference. InputError says why a sweep does not run."""
+    or id, empty: the clean and the corrupt top) name the difference; ``method`` "gradient" estimates every
+    cell from one backward pass (attribution patching). InputError says why a sweep does not run."""
     if not sites:
         raise InputError("choose at least one site to patch")
     requests = [request_for(om, prompt) for prompt in (clean, corrupt)]
@@ -41,6 +43,7 @@ def run_sweep(
         max_runs=MAX_RUNS,
         token_id=lambda flag, value: token_of(om, flag, value),
         on_cell=on_cell,
+        method=method,
     )
 
 

@@ -15,7 +15,7 @@ from app.core.models import AppModel
 from app.topics import patching as topic
 from app.topics import patching_runs as runs
 from app.ui import comparison, widgets
-from tracing.analyses.patching import SITES, Cell
+from tracing.analyses.patching import METHODS, SITES, Cell
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
 
@@ -55,18 +55,26 @@ def controls(om: AppModel) -> tuple:
     positions = b.text_input("Positions", key="patch_positions", help="all, last, or A:B (positions A..B-1)")
     target = c.text_input("Target", key="patch_target", placeholder="clean top", help="a token's text or id")
     contrast = d.text_input("Contrast", key="patch_contrast", placeholder="corrupt top", help="a token's text or id")
-    return (om.key, clean, corrupt, tuple(sites), positions.strip() or "all", target, contrast)
+    method = st.radio("Method", METHODS, key="patch_method", horizontal=True, help=METHOD_HELP)
+    return (om.key, clean, corrupt, tuple(sites), positions.strip() or "all", target, contrast, method)
+
+
+METHOD_HELP = (
+    "exact: one patched forward per cell. gradient: attribution patching, every cell estimated from one backward "
+    "pass of the corrupt run as grad · (clean − corrupt), the indexer's and router's selections held fixed and FP8 "
+    "roundings passed straight through (docs/attribution.md)."
+)
 
 
 def run_sweep(om: AppModel, asked: tuple) -> None:
-    _, clean, corrupt, sites, positions, target, contrast = asked
+    _, clean, corrupt, sites, positions, target, contrast, method = asked
     bar = st.progress(0.0, text="Patching…")
 
     def on_cell(i: int, n: int) -> None:
         bar.progress(i / n, text=f"Cell {i + 1} of {n}…")
 
     try:
-        result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
+        result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell, method)
     except BAD_INPUT as exc:
         st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
@@ -80,7 +88,8 @@ def show(om: AppModel, result: dict) -> None:
     cols = st.columns(4)
     cols[0].metric("Clean logit difference", f"{s['clean']['logit_diff']:+.3f}")
     cols[1].metric("Corrupt logit difference", f"{s['corrupt']['logit_diff']:+.3f}")
-    cols[2].metric("Patched runs", f"{s['runs']}")
+    gradient = s["method"] == "gradient"
+    cols[2].metric("Cells from one backward" if gradient else "Patched runs", f"{s['cells'] if gradient else s['runs']}")
     cols[3].metric("Time", f"{s['seconds']:.1f} s")
     labels = _labels(s)
     for site in s["sites"]:
