@@ -402,8 +402,8 @@ def trace_tokens(
 
     ``gradient``: (target, contrast) token ids; the forward runs with autograd recording (inside
     model.fp8.straight_through, the same values bit for bit) and one backward pass after it records
-    the ``grad.*`` sites (tracing.tracer.Tracer.backward). One prefill, in one process or on one
-    rank, with the weights held.
+    the ``grad.*`` sites (tracing.tracer.Tracer.backward). One prefill, with the weights held; over
+    several ranks (``plan``) every rank runs the backward pass.
     """
     check_token_ids(ids, model.args, max_tokens, generate)
     if attribution is not None:
@@ -499,14 +499,13 @@ def trace_tokens(
 
 
 def check_gradient(gradient: tuple[int, int], args: ModelArgs, passes: bool, plan, streamed: bool) -> None:
-    """What a gradient run needs: two tokens of the vocabulary, one prefill, one process, weights held."""
+    """What a gradient run needs: two tokens of the vocabulary, one prefill, the weights held (over
+    ranks, model.parallel's collectives carry the backward pass)."""
     bad = [i for i in gradient if not 0 <= i < args.vocab_size]
     if bad:
         raise InputError(f"gradient_of: token id {bad[0]} is outside the vocabulary (0..{args.vocab_size - 1})")
     if passes:
         raise InputError("gradient_of applies to one prefill of every position")
-    if plan is not None and plan.world > 1:
-        raise InputError("gradient_of: a model split over ranks has no backward pass here yet; serve it on one rank")
     if streamed:
         raise InputError("gradient_of: the backward pass needs the weights held, not streamed")
 

@@ -283,7 +283,12 @@ class Tracer:
         grads = torch.autograd.grad(difference, values, allow_unused=True)  # None: the value does not reach the logits
         for name, value, grad in zip(names, values, grads, strict=True):
             grad = torch.zeros_like(value) if grad is None else grad
-            self.values[name] = _to_cpu(grad, spec(_gradient_point(name)).legend)
+            point = _gradient_point(name)
+            if self.plan is not None and spec(point).rank_local:  # this rank's heads: all of them (a collective)
+                from model.parallel import gather_heads
+
+                grad = gather_heads(grad, self.plan, layer_site(point)[0])
+            self.values[name] = _to_cpu(grad, spec(point).legend)
         self.gradient_info = {"target": target, "contrast": contrast, "logit_diff": float(difference.detach())}
         self._wrt.clear()
         self.values = {name: value.detach() for name, value in self.values.items()}  # the graph goes with the pass

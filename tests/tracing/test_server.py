@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 
 from tests.tracing.serving import TOKEN, in_process, post
 from tracing.cli.commands import main
+from tracing.cli.loading import open_checkpoint
 from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
 from tracing.server.ranks import Fault
@@ -277,6 +278,20 @@ def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_ch
             torch.testing.assert_close(a[name], b[name], rtol=2**-7, atol=1e-5, equal_nan=True)
         else:
             assert torch.equal(a[name], b[name]), name  # selections, tokens, the prefill's default sites: exactly
+
+
+def test_a_gradient_on_two_ranks_is_the_one_process_gradient(two_ranks, app_checkpoint):
+    """Every rank runs the backward pass; the collectives' gradients make each rank's the whole one."""
+    request = TraceRequest(prompt=PROMPT, record=("logits.last", "layers.*.grad.*"), gradient_of=(5, 9))
+    body, kind = encode_request(request)
+    answer = httpx.post(f"{two_ranks}/trace", content=body, headers={"content-type": kind}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    remote = Trace.from_bytes(read_answer(iter([answer.content])))
+    loaded = open_checkpoint(app_checkpoint)
+    local = run(loaded.model, request, loaded.tokenizer)
+    assert set(local.tensors) == set(remote.tensors) and len([n for n in local.tensors if ".grad." in n]) > 10
+    for name, value in local.tensors.items():  # partial sums meet in another order, forward and backward
+        torch.testing.assert_close(remote[name], value, rtol=0.01, atol=0.01 * float(value.abs().max()), msg=name)
 
 
 def test_bad_values_on_two_ranks_are_refused_and_the_ranks_serve_on(two_ranks):

@@ -164,7 +164,7 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     n_positions = len(ids) + request.generate
     if request.prefill is not None:
         check_prefill(request.prefill, len(ids))
-    if request.gradient_of is not None:  # what its backward pass needs: one prefill, one rank, weights held
+    if request.gradient_of is not None:  # what its backward pass needs: one prefill, the weights held
         check_gradient(request.gradient_of, args, False, model.loaded.plan, bool(model.loaded.stream))
     if (attribution := attribution_of(request, model.loaded.tokenizer)) is not None:
         attribution.check(n_positions, args.vocab_size)
