@@ -19,14 +19,18 @@ class _Through(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: Callable[[], torch.Tensor], surrogate: Callable[..., torch.Tensor], *inputs: torch.Tensor):
         ctx.surrogate = surrogate
-        ctx.save_for_backward(*inputs)
+        # the inputs with a gradient are saved (autograd checks they stay as they were); the constants
+        # (a weight's dequantised copy, kept since an inference-mode pass made it) are held as they are
+        ctx.save_for_backward(*(x for x in inputs if x.requires_grad))
+        ctx.constants = [None if x.requires_grad else x for x in inputs]
         out = value()  # grad mode is off here: the route the forward takes without autograd
         # a view (a product's permuted result) or an input is copied: later in-place ops must see a tensor of its own
         return out.clone() if out._is_view() or any(out is x for x in inputs) else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        inputs = [x.detach().requires_grad_(needs) for x, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[2:], strict=True)]
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved).detach().requires_grad_() if x is None else x for x in ctx.constants]
         wanted = [x for x in inputs if x.requires_grad]
         with torch.enable_grad():
             out = ctx.surrogate(*inputs)
