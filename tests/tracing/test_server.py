@@ -8,6 +8,7 @@ a thread); the command line's server runs as a process, one rank and two (torchr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -79,6 +80,12 @@ def test_a_gradient_over_http_is_the_gradient_run_takes(served):
     assert read_answer(iter([answer.content])) == want.to_bytes() and "layers.1.grad.attn.head_out" in want.tensors
     answer = post(client, TraceRequest(prompt=PROMPT, gradient_of=(5, 9), generate=2))
     assert answer.status_code == 422 and "cannot be combined with --generate" in answer.text
+    limits, state.limits = state.limits, dataclasses.replace(state.limits, max_gradient_tokens=4)
+    try:  # the backward keeps every block's T x T attention: bounded apart, before the queue
+        answer = post(client, request)
+    finally:
+        state.limits = limits
+    assert answer.status_code == 422 and "a backward pass of at most 4" in answer.text
 
 
 @pytest.mark.parametrize(

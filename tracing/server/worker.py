@@ -166,6 +166,11 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
         check_prefill(request.prefill, len(ids))
     if request.gradient_of is not None:  # what its backward pass needs: one prefill, the weights held
         check_gradient(request.gradient_of, args, False, model.loaded.plan, bool(model.loaded.stream))
+        if len(ids) > limits.max_gradient_tokens:
+            most = limits.max_gradient_tokens
+            raise InputError(
+                f"gradient_of: the prompt has {len(ids)} tokens; this server takes a backward pass of at most {most}"
+            )
     if (attribution := attribution_of(request, model.loaded.tokenizer)) is not None:
         attribution.check(n_positions, args.vocab_size)
     interventions, _ = interventions_of(request)
