@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .. import fp8
+
 
 class _Through(torch.autograd.Function):
     @staticmethod
@@ -46,15 +48,12 @@ def through(value: Callable[[], torch.Tensor], surrogate: Callable[..., torch.Te
 
 def records(*inputs: torch.Tensor | None) -> bool:
     """Whether autograd records a function of these inputs here, inside model.fp8.straight_through."""
-    from .. import fp8
-
     return fp8.passes_straight_through() and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
 
 
 def unrounded_product(weight: torch.Tensor, scale: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x W^T in float32 with x as it is and W dequantised: the FP8 product's straight-through surrogate
     (the activations' rounding passed as the identity), a plain product's own."""
-    from .. import fp8
 
     def product(x: torch.Tensor) -> torch.Tensor:
         w = weight.float() if scale is None else fp8.weight_dequant(weight, scale, torch.float32)
