@@ -280,7 +280,8 @@ class Tracer:
         difference = logits[0, target] - logits[0, contrast]
         names = self._gradient_sites()
         values = [self._wrt[_gradient_point(name)] for name in names]
-        grads = torch.autograd.grad(difference, values, allow_unused=True)  # None: the value does not reach the logits
+        reached = difference.requires_grad  # None below: the value does not reach the logits
+        grads = torch.autograd.grad(difference, values, allow_unused=True) if reached else [None] * len(values)
         for name, value, grad in zip(names, values, grads, strict=True):
             grad = torch.zeros_like(value) if grad is None else grad
             point = _gradient_point(name)
