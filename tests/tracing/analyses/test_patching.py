@@ -108,3 +108,16 @@ def test_the_gradient_method_estimates_the_exact_sweep_from_one_backward(tiny_mo
     assert gradient.summary["corrupt"]["logit_diff"] == exact.summary["corrupt"]["logit_diff"]
     assert gradient.summary["runs"] == 2 and exact.summary["runs"] == len(exact.table) == gradient.summary["cells"] > 5
     assert np.corrcoef(exact.table["value"], gradient.table["value"])[0, 1] > 0.95
+
+
+@pytest.mark.slow  # about 20 s on two shared cores: the demo's exact sweep, one forward per cell
+def test_on_the_demo_the_gradient_tracks_the_exact_sweep():
+    """The bundled demo's first pair (docs/attribution.md): over every cell, the estimate correlates
+    with the patched runs as the docs say."""
+    from tracing.cli.loading import DEMO, open_checkpoint
+
+    demo = open_checkpoint(DEMO)
+    pair = [TraceRequest(prompt=p) for p in ("Anne had not seen Captain", "Anne had not seen Colonel")]
+    exact, gradient = (sweep(lambda r: run(demo.model, r, demo.tokenizer), *pair, method=m) for m in METHODS)
+    assert len(exact.table) == len(gradient.table) == 241
+    assert np.corrcoef(exact.table["value"], gradient.table["value"])[0, 1] > 0.9
