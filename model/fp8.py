@@ -149,6 +149,30 @@ def is_pow2(scale: torch.Tensor) -> bool:
     return bool(torch.all(_pow2_ceil(scale.float().abs()) == scale))
 
 
+# True inside straight_through: per thread (and per context), as _ROUND_ACTIVATIONS
+_STRAIGHT_THROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("straight_through", default=False)
+
+
+def passes_straight_through() -> bool:
+    """Whether this thread's passes carry gradients past the FP8 roundings (:func:`straight_through`)."""
+    return _STRAIGHT_THROUGH.get()
+
+
+@contextlib.contextmanager
+def straight_through():
+    """Forward passes here compute the same values, bit for bit, and a backward through them treats
+    every FP8 rounding of an activation as the identity (the straight-through estimator): a product
+    of rounded x passes its gradient to x unrounded, the MLA latent's FP8 simulation passes it
+    unchanged. Selections (the indexer's keys, the router's experts) carry none: they are integers,
+    and the indexer's scores serve only to choose. model.kernels applies it, only where autograd
+    records (``torch.is_grad_enabled()`` and an input that requires grad)."""
+    token = _STRAIGHT_THROUGH.set(True)
+    try:
+        yield
+    finally:
+        _STRAIGHT_THROUGH.reset(token)
+
+
 # True inside inexact_sums: per thread (and per context), as _ROUND_ACTIVATIONS
 _WHOLE_K: contextvars.ContextVar[bool] = contextvars.ContextVar("inexact_sums", default=False)
 INEXACT_SUMS = "whole K in the activations' dtype, not the kernel's per-block float32 order"
@@ -185,10 +209,13 @@ class Rounded:
     dtype: torch.dtype
     pow2: bool = False  # every scale a power of two (ue8m0): the values are exact in bfloat16 too
     made: dict = field(default_factory=dict, compare=False, repr=False)  # dtype -> values
+    # inside straight_through: the unrounded x, whose gradient the products of these values pass on
+    source: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, x: torch.Tensor, scale_fmt: str | None) -> Rounded:
-        return cls(*act_quant(x, scale_fmt), x.dtype, bool(scale_fmt))
+        source = x if passes_straight_through() and x.requires_grad else None
+        return cls(*act_quant(x.detach(), scale_fmt), x.dtype, bool(scale_fmt), source=source)
 
     def values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The rounded values in ``dtype``: float32's rounded to ``dtype`` (exact with ue8m0 scales)."""
@@ -209,7 +236,9 @@ class Rounded:
         return self._with(lambda t: t.index_select(0, index))
 
     def _with(self, take) -> Rounded:
-        return Rounded(take(self.codes), take(self.scale), self.dtype, self.pow2, {d: take(v) for d, v in self.made.items()})
+        made = {d: take(v) for d, v in self.made.items()}
+        source = None if self.source is None else take(self.source)
+        return Rounded(take(self.codes), take(self.scale), self.dtype, self.pow2, made, source)
 
 
 def rounded(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor | Rounded:

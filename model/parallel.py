@@ -49,10 +49,18 @@ every rank).
 Under ``torchrun``: :func:`init_distributed` (NCCL on CUDA, gloo on CPU), then
 :func:`load_parallel`; every rank runs the same forward with the same hooks (patches too), rank 0
 writes the trace.
+
+A backward pass (tracing's ``gradient_of``, where autograd records) runs on every rank, each rank
+differentiating the same replicated logit difference: the collectives are Megatron's pair, a sum
+over ranks forward whose gradient passes as it is (the row-parallel all-reduces, the routed slots'
+gather) and, where a replicated value enters a rank's part (the column-split products, the routed
+experts, the vocabulary-split head), the identity forward whose gradient is summed over the ranks.
+The forward's values are the same either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -103,6 +111,72 @@ class ParallelPlan:
 # modules with collectives (swapped in for the plain ones; same names, same parameters)
 
 
+def _records(x: object) -> bool:
+    """Whether autograd records a function of ``x`` here (a backward pass will follow)."""
+    return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of every rank's x; its gradient, the same on every rank, passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _IntoRanks(torch.autograd.Function):
+    """A replicated x entering this rank's part: the same value; its gradient, each rank's part of
+    it, summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherLast(torch.autograd.Function):
+    """Every rank's y along the last dimension; the gradient of this rank's columns comes back."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.width = rank_world(group)[0], y.shape[-1]
+        parts = [torch.empty_like(y) for _ in range(rank_world(group)[1])]
+        dist.all_gather(parts, y.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None
+
+
+def sum_over_ranks(y: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-reduce (sum) of ``y``: in place, or recorded for a backward pass."""
+    if _records(y):
+        return _SumOverRanks.apply(y, group)
+    dist.all_reduce(y, group=group)
+    return y
+
+
+def into_ranks(x: torch.Tensor | fp8.Rounded, group: Any) -> torch.Tensor | fp8.Rounded:
+    """A replicated input of this rank's part, whose gradient a backward pass sums over the ranks
+    (as it is where autograd does not record; a Rounded's unrounded source carries the gradient)."""
+    if isinstance(x, fp8.Rounded):
+        return dataclasses.replace(x, source=into_ranks(x.source, group)) if _records(x.source) else x
+    return _IntoRanks.apply(x, group) if _records(x) else x
+
+
 class RowParallelLinear(Linear):
     """Input features split over ranks: float32 partial products, summed by all-reduce."""
 
@@ -110,8 +184,17 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x.float())  # exact cast: the partial product stays unrounded
-        dist.all_reduce(y, group=self.group)
-        return y.to(x.dtype)
+        return sum_over_ranks(y, self.group).to(x.dtype)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over ranks (``wq_b``, ``wkv_b``, ``w1``, ``w3``): the plain product of
+    this rank's rows; a backward pass sums the input's gradient over the ranks."""
+
+    group: Any = None
+
+    def forward(self, x: torch.Tensor | fp8.Rounded) -> torch.Tensor:
+        return super().forward(into_ranks(x, self.group))
 
 
 class ColumnParallelHead(Linear):
@@ -120,7 +203,9 @@ class ColumnParallelHead(Linear):
     group: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x).contiguous()
+        y = super().forward(into_ranks(x, self.group)).contiguous()
+        if _records(y):
+            return _GatherLast.apply(y, self.group)
         parts = [torch.empty_like(y) for _ in range(rank_world(self.group)[1])]
         dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1)
@@ -149,9 +234,13 @@ class ExpertParallelMoE(MoE):
 
     group: Any = None
 
+    def route(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, rounded: fp8.Rounded | None = None):
+        x, weights = into_ranks(x, self.group), into_ranks(weights, self.group)  # this rank's experts read them
+        rounded = None if rounded is None else into_ranks(rounded, self.group)
+        return super().route(x, weights, indices, rounded)
+
     def gather_slots(self, contrib: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(contrib, group=self.group)
-        return contrib
+        return sum_over_ranks(contrib, self.group)
 
 
 @functools.cache
@@ -170,6 +259,11 @@ def rank_world(group: Any) -> tuple[int, int]:
     if group is None:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return group.rank(), group.size()
+
+
+def _split_mlp(mlp: MLP, group: Any) -> None:
+    for name, cls in (("w1", ColumnParallelLinear), ("w3", ColumnParallelLinear), ("w2", RowParallelLinear)):
+        _swap(mlp, name, cls, group=group)
 
 
 def _swap(owner: nn.Module, name: str, cls: type, **attrs: Any) -> None:
@@ -293,6 +387,8 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
         if i in plan.split_attention:
             block.attn.n_heads //= world  # local heads, the reference's n_local_heads
             _swap(block.attn, "wo", RowParallelLinear, group=group)
+            for name in ("wq_b", "wkv_b"):
+                _swap(block.attn, name, ColumnParallelLinear, group=group)
         if isinstance(block.ffn, MoE):
             moe = block.ffn
             for j in range(len(moe.experts)):
@@ -300,9 +396,9 @@ def parallelize(model: Transformer, group: Any = None, strict: bool = False) -> 
                     moe.experts[j] = None
             _swap(block, "ffn", expert_parallel(type(moe)), group=group)
             if f"{prefix}.ffn.shared_experts.w2.weight" in plan.parts:
-                _swap(moe.shared_experts, "w2", RowParallelLinear, group=group)
+                _split_mlp(moe.shared_experts, group)
         elif f"{prefix}.ffn.w2.weight" in plan.parts:
-            _swap(block.ffn, "w2", RowParallelLinear, group=group)
+            _split_mlp(block.ffn, group)
     if "embed.weight" in plan.parts:
         part = plan.parts["embed.weight"]
         _swap(model, "embed", VocabParallelEmbedding, group=group, vocab_start=part.start, vocab_end=part.stop)
@@ -411,6 +507,7 @@ def gather_heads(value: torch.Tensor, plan: ParallelPlan | None, block: int, gro
 
 __all__ = [
     "ColumnParallelHead",
+    "ColumnParallelLinear",
     "Distributed",
     "ExpertParallelMoE",
     "ParallelError",

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,10 @@ class TraceRequest:
     JSON form: it travels as safetensors), put in whole, or only at ``patch_positions`` ("P", "A:B")
     with the other positions the model's own. ``graph``: an intervention graph
     (tracing.analyses.graph.Graph, or its JSON object), applied after the other interventions at
-    every pass; its constant tensors travel beside the JSON as the patches do.
+    every pass; its constant tensors travel beside the JSON as the patches do. ``gradient_of`` (target, contrast token ids): a
+    backward pass after the forward records the gradient of the last position's logit difference
+    with respect to the ``grad.*`` sites (all of them unless ``record`` names some;
+    tracing.analyses.patching's ``method="gradient"``).
 
     A setting that belongs to another is refused without it (sampling without ``generate``, a
     position without ``attribute``, ``thinking`` without ``chat``): one rule, so nothing is ignored
@@ -85,6 +88,7 @@ class TraceRequest:
     contrast: int | str | None = None
     interventions: Mapping[str, Any] = field(default_factory=dict, hash=False)
     patch_positions: str | None = None
+    gradient_of: tuple[int, int] | None = None
     patches: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
     graph: Graph | None = field(default=None, hash=False)
 
@@ -92,8 +96,9 @@ class TraceRequest:
         object.__setattr__(self, "graph", graph_of(self.graph))
         if isinstance(self.record, str):
             object.__setattr__(self, "record", tuple(p.strip() for p in self.record.split(",") if p.strip()))
-        if self.token_ids is not None:
-            object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        for name in ("token_ids", "gradient_of"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # checks before any model work --------------------------------------------------------------
     def check(self) -> TraceRequest:
@@ -135,6 +140,15 @@ class TraceRequest:
             if not self.patches:
                 raise InputError("--positions applies to --patch or --patch-from")
             parse_positions("--positions", self.patch_positions)
+        if self.gradient_of is not None:
+            pair = self.gradient_of
+            if len(pair) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) for i in pair):
+                raise InputError("gradient_of: give two token ids, the target and the contrast")
+            if pair[0] == pair[1]:
+                raise InputError(f"gradient_of: target and contrast are both token {pair[0]}: the logit difference would be 0")
+            if self.generate or self.prefill is not None:
+                what = "--generate" if self.generate else "--prefill"
+                raise InputError(f"gradient_of applies to one prefill of every position: it cannot be combined with {what}")
         if self.patches and (self.generate or self.prefill is not None):
             what = "--generate" if self.generate else "--prefill"
             raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
@@ -187,9 +201,9 @@ class TraceRequest:
             value = data.get(name)
             if value is not None and not (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
                 raise InputError(f"request field {name!r} has the wrong type ({type(value).__name__})")
-        for name in ("token_ids", "record"):
+        for name in ("token_ids", "record", "gradient_of"):
             if data.get(name) is not None:
-                item = int if name == "token_ids" else str
+                item = str if name == "record" else int
                 if not all(isinstance(v, item) and not isinstance(v, bool) for v in data[name]):
                     raise InputError(f"request field {name!r} must be a list of {item.__name__}")
                 data[name] = tuple(data[name])
@@ -220,6 +234,7 @@ _TYPES = {
     "interventions": (dict,),
     "patch_positions": (str,),
     "graph": (dict,),
+    "gradient_of": (list,),
 }
 
 
@@ -314,6 +329,7 @@ def run(
         sampling=sampling,
         attribution=attribution,
         on_step=on_step,
+        gradient=request.gradient_of,
     )
 
 
@@ -379,6 +395,7 @@ def trace_tokens(
     sampling: Sampling | None = None,
     attribution: AttributionRequest | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    gradient: tuple[int, int] | None = None,
 ) -> Trace:
     """Run ``ids`` through ``model``, recording the chosen sites (default: the default sites, docs/architecture.md).
 
@@ -406,6 +423,11 @@ def trace_tokens(
     ``prefill`` or ``generate`` the position is read in the pass that ran it (the default, the
     last, is the run's last position); a position a generation did not reach (it stopped at the
     end-of-sequence token) is an InputError.
+
+    ``gradient``: (target, contrast) token ids; the forward runs with autograd recording (inside
+    model.fp8.straight_through, the same values bit for bit) and one backward pass after it records
+    the ``grad.*`` sites (tracing.tracer.Tracer.backward). One prefill, with the weights held; over
+    several ranks (``plan``) every rank runs the backward pass.
     """
     check_token_ids(ids, model.args, max_tokens, generate)
     if attribution is not None:
@@ -416,14 +438,16 @@ def trace_tokens(
     if patches and (n_prefill < len(ids) or generate):
         what = "--generate" if generate else "--prefill"
         raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
+    if gradient is not None:
+        check_gradient(gradient, model.args, n_prefill < len(ids) or bool(generate), plan, context is not None)
     if device is None:
         device = model.embed.weight.device
         device = torch.device("cpu") if device.type == "meta" else device
-    with torch.inference_mode(), kernels.serial_passes():  # this thread's CPU threads, as they were after
+    with grad_mode(gradient is not None), kernels.serial_passes():  # this thread's CPU threads, as they were after
         batch = torch.tensor([ids], dtype=torch.long, device=device)
         ids = list(ids)
         n_prompt, stopped = len(ids), None
-        tracer = Tracer(model, record, patches, on_block, interventions, plan, attribution)
+        tracer = Tracer(model, record, patches, on_block, interventions, plan, attribution, gradient)
         with tracer, context or nullcontext():
             tracer.token_ids = ids  # the tracer reads each position's following token (appended as chosen)
             cache = model.new_cache()
@@ -450,6 +474,7 @@ def trace_tokens(
                 if model.args.is_eos(ids[-1]):
                     stopped = "eos"
                     break
+            tracer.backward()
         values = tracer.merged(len(ids))
         for intervention in interventions:
             values.update(intervention.recorded())
@@ -488,6 +513,8 @@ def trace_tokens(
                 info["graph"] = intervention.graph.record()
     if tracer.attribution_info:
         info["attribution"] = tracer.attribution_info
+    if tracer.gradient_info:
+        info["gradient"] = tracer.gradient_info
     if token_strings is not None:
         attributed = [tracer.attribution_info.get(key) for key in ("target", "contrast")]
         shown = sorted({*_predicted_ids(values), *(i for i in attributed if i is not None)})
@@ -497,6 +524,29 @@ def trace_tokens(
     if tokens is None or len(tokens) != len(ids):
         tokens = [f"<{i}>" for i in ids]
     return Trace(values, config, tokens, prompt, info)
+
+
+def check_gradient(gradient: tuple[int, int], args: ModelArgs, passes: bool, plan, streamed: bool) -> None:
+    """What a gradient run needs: two tokens of the vocabulary, one prefill, the weights held (over
+    ranks, model.parallel's collectives carry the backward pass)."""
+    bad = [i for i in gradient if not 0 <= i < args.vocab_size]
+    if bad:
+        raise InputError(f"gradient_of: token id {bad[0]} is outside the vocabulary (0..{args.vocab_size - 1})")
+    if passes:
+        raise InputError("gradient_of applies to one prefill of every position")
+    if streamed:
+        raise InputError("gradient_of: the backward pass needs the weights held, not streamed")
+
+
+def grad_mode(gradient: bool) -> AbstractContextManager:
+    """How a run's forward records: not at all (inference mode), or for one backward pass after it
+    (autograd on, FP8 roundings passed straight through: model.fp8.straight_through)."""
+    if not gradient:
+        return torch.inference_mode()
+    stack = ExitStack()
+    for context in (torch.inference_mode(False), torch.enable_grad(), fp8.straight_through()):
+        stack.enter_context(context)
+    return stack
 
 
 def _predicted_ids(values: dict[str, torch.Tensor], top: int = 20) -> list[int]:

@@ -82,7 +82,9 @@ class SiteSpec:
         return (-1 if self.values in ("keys", "tokens or none") else 0), high
 
 
-ANALYSES = ("attribution", "flow")
+ANALYSES = ("attribution", "flow", "gradient")
+# the hook points whose gradient a run records (``gradient``): what attribution patching multiplies
+GRADIENT_OF = ("resid_pre", "attn_out", "attn.head_out", "ffn.routed_out", "ffn_out")
 
 
 def _probs_mean(probs: torch.Tensor, read, heads_mean) -> torch.Tensor:
@@ -448,6 +450,26 @@ REGISTRY: tuple[SiteSpec, ...] = (
         patchable=False,
         computed="flow",
     ),
+    *(
+        SiteSpec(
+            f"layers.{{i}}.grad.{suffix}",
+            legend,
+            F32,
+            f"gradient of the last position's logit difference (`gradient_of`) with respect to `{suffix}`: FP8 "
+            "roundings passed straight through, the indexer's and router's selections held fixed (docs/attribution.md)",
+            blocks=blocks,
+            derived_from=suffix,
+            patchable=False,
+            computed="gradient",
+        )
+        for suffix, legend, blocks in (
+            ("resid_pre", "T D", "all"),
+            ("attn_out", "T D", "all"),
+            ("attn.head_out", "T H Dv", "all"),
+            ("ffn.routed_out", "N D", "moe"),
+            ("ffn_out", "T D", "all"),
+        )
+    ),
     SiteSpec("logits.last", "B V", F32, "logits at the last position", blocks="model", default=True),
     SiteSpec("logits.all", "B T V", F32, "every position's logits (large: on request)", blocks="model"),
     SiteSpec(
@@ -742,8 +764,9 @@ def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | 
 
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:
     """Site names matching glob patterns (``*`` crosses dots); 'default', 'attribution' (with its
-    defaults: the last position's top prediction), 'flow' (the contribution graph) and 'all' are
-    shorthands.
+    defaults: the last position's top prediction), 'flow' (the contribution graph), 'gradient' (with
+    a request's ``gradient_of``) and 'all' are shorthands. A gradient's site (``grad.*``) matches
+    only a pattern that names it (one that holds "grad").
 
     Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
     record nothing; the default patterns need not match (a model without a MoE block has no gate).
@@ -759,12 +782,12 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
     for pattern in patterns:
         if pattern == "default":
             matched = list(_default_sites(args))
-        elif pattern in ("attribution", "flow"):  # an analysis' sites (a model without MoE blocks has no expert lens)
+        elif pattern in ANALYSES:  # an analysis' sites (a model without MoE blocks has no expert lens)
             matched = [n for n in names if analysis(n) == pattern]
         elif pattern == "all":  # not the analyses: the attribution needs a position and a target, the graph is costly
             matched = [n for n in names if not analysis(n)]
-        else:
-            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        else:  # the gradient's sites only by a pattern that says so: 'layers.*.resid_pre' means the stream
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern) and ("grad" in pattern or analysis(n) != "gradient")]
             if not matched and any(fnmatch.fnmatchcase(n, pattern) for n in _MTP):
                 raise InputError(f"--record pattern {pattern!r}: {MTP_MISSING}")
             if not matched and not args.has_indexer and _indexer_only(pattern):
@@ -796,7 +819,7 @@ def _with_groups(args: ModelArgs, chosen: list[str]) -> list[str]:
 @lru_cache(maxsize=16)
 def _default_sites(args: ModelArgs) -> tuple[str, ...]:
     """The default patterns' sites of a config, matched once: every trace asks (1-2 ms of globbing a time)."""
-    return tuple(n for n in site_shapes(args) if any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS))
+    return tuple(n for n in site_shapes(args) if not analysis(n) and any(fnmatch.fnmatchcase(n, p) for p in DEFAULT_PATTERNS))
 
 
 def _indexer_only(pattern: str) -> bool:

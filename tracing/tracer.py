@@ -66,6 +66,7 @@ class Tracer:
         interventions: Sequence[Intervention] = (),
         plan=None,
         attribution: AttributionRequest | None = None,
+        gradient: tuple[int, int] | None = None,
     ):
         self.model = model
         self.plan = plan
@@ -74,11 +75,18 @@ class Tracer:
         self.sites = select(self.args, record)
         if attribution is not None:
             self.sites = select(self.args, [*self.sites, "attribution"])
+        if gradient is not None and not any(analysis(name) == "gradient" for name in self.sites):
+            self.sites = select(self.args, [*self.sites, "gradient"])
         analyses = {analysis(name) for name in self.sites} - {""}
+        if "gradient" in analyses and gradient is None:
+            raise InputError("the grad.* sites are a logit difference's gradient: give gradient_of (target, contrast)")
+        self._gradient = gradient  # (target, contrast): the grad.* sites are d(logit difference)/d(value)
+        self._wrt: dict[str, torch.Tensor] = {}  # hook point -> its value in this pass, in autograd's graph
         self._attribution = (attribution or AttributionRequest()) if "attribution" in analyses else None
         self._flow = "flow" in analyses
         self.attributes = self._attribution is not None
         self.attribution_info: dict = {}  # the attributed position, target and contrast, once the pass ran
+        self.gradient_info: dict = {}  # the logit difference whose gradient the grad.* sites hold, once taken
         self._attributed: dict[str, torch.Tensor] = {}  # its values: from the pass that held the position
         # a patch of a per-head site holds every head; under tensor parallelism each rank puts in its own
         self.patches = {name: self._own_heads(name, value) for name, value in (patches or {}).items()}
@@ -244,6 +252,47 @@ class Tracer:
             )
         if self._flow:
             Flow(self.model, reads, hooks, self._record, ranks)
+        if self._gradient is not None:  # last at their points: the value the model goes on with
+            for name in self._gradient_sites():
+                hooks.after(points[_gradient_point(name)], self._capture(_gradient_point(name)))
+            hooks.after(points["logits.last"], self._capture("logits.last"))
+
+    # gradients (grad.*) --------------------------------------------------------------------
+    def _gradient_sites(self) -> list[str]:
+        return [name for name in self.sites if analysis(name) == "gradient"]
+
+    def _capture(self, name: str):
+        def hook(module, inputs, output):
+            value = output if output.requires_grad else output.detach().requires_grad_()  # a leaf where nothing before
+            self._wrt[name] = value
+            return None if value is output else value
+
+        return hook
+
+    def backward(self) -> None:
+        """The grad.* sites: the gradient of the last position's logit difference (target minus
+        contrast) with respect to each captured value, by one backward pass through the graph the
+        forward recorded (model.fp8.straight_through: roundings passed, selections held)."""
+        if self._gradient is None:
+            return
+        logits = self._wrt.pop("logits.last")  # (B, V)
+        target, contrast = self._gradient
+        difference = logits[0, target] - logits[0, contrast]
+        names = self._gradient_sites()
+        values = [self._wrt[_gradient_point(name)] for name in names]
+        reached = difference.requires_grad  # None below: the value does not reach the logits
+        grads = torch.autograd.grad(difference, values, allow_unused=True) if reached else [None] * len(values)
+        for name, value, grad in zip(names, values, grads, strict=True):
+            grad = torch.zeros_like(value) if grad is None else grad
+            point = _gradient_point(name)
+            if self.plan is not None and spec(point).rank_local:  # this rank's heads: all of them (a collective)
+                from model.parallel import gather_heads
+
+                grad = gather_heads(grad, self.plan, layer_site(point)[0])
+            self.values[name] = _to_cpu(grad, spec(point).legend)
+        self.gradient_info = {"target": target, "contrast": contrast, "logit_diff": float(difference.detach())}
+        self._wrt.clear()
+        self.values = {name: value.detach() for name, value in self.values.items()}  # the graph goes with the pass
 
     def _record(self, values: dict[str, torch.Tensor]) -> None:
         self.values.update((name, value) for name, value in values.items() if name in self.sites)
@@ -362,6 +411,11 @@ class Tracer:
             return self._ranks.heads_mean(x, layer, dim)
 
         return spec(target).derive(value, read, heads_mean)
+
+
+def _gradient_point(name: str) -> str:
+    """The hook point whose value a grad.* site is the gradient with respect to."""
+    return site_name(layer_site(name)[0], spec(name).derived_from)
 
 
 def _to_cpu(value: torch.Tensor, legend: str) -> torch.Tensor:

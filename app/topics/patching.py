@@ -91,6 +91,7 @@ KEYS: tuple[Key, ...] = (
     Key("patch_positions", "Patching: the positions swept (all, last, A:B)", kept=True),
     Key("patch_target", "Patching: the target token (text or id; empty: the clean top)", kept=True),
     Key("patch_contrast", "Patching: the contrast token (text or id; empty: the corrupt top)", kept=True),
+    Key("patch_method", "Patching: exact (one forward per cell) or gradient (every cell from one backward)", kept=True),
     Key("patch_run", "Patching: the Run button"),
     Key("patch_result", "Patching: the last sweep, {asked, table, summary}"),
     Key("patch_csv", "Patching: the table's CSV download"),

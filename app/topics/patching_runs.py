@@ -14,7 +14,7 @@ from tracing.analyses.patching import Cell, Sweep, patch_of, record_for, sweep
 from tracing.analyses.prompt_sets import SetResult, parse_pairs, patching_over_pairs
 from tracing.errors import InputError
 
-MAX_RUNS = 3000  # one forward each: a sweep larger than this is refused before it starts
+MAX_RUNS = 3000  # one forward each (the exact method): a sweep larger than this is refused before it starts
 MAX_PAIRS = 100  # a file's pairs, each a sweep: more wait on the command line (patching --pairs)
 
 
@@ -27,10 +27,12 @@ def run_sweep(
     target: str = "",
     contrast: str = "",
     on_cell: Callable[[int, int], None] | None = None,
+    method: str = "exact",
 ) -> Sweep:
     """Every cell of ``sites`` x blocks x ``positions`` of the clean prompt patched into the corrupt one, each
     scored by how much of the clean logit difference it restores; ``target`` and ``contrast`` (a token's text
-    or id, empty: the clean and the corrupt top) name the difference. InputError says why a sweep does not run."""
+    or id, empty: the clean and the corrupt top) name the difference; ``method`` "gradient" estimates every
+    cell from one backward pass (attribution patching). InputError says why a sweep does not run."""
     if not sites:
         raise InputError("choose at least one site to patch")
     requests = [request_for(om, prompt) for prompt in (clean, corrupt)]
@@ -44,6 +46,7 @@ def run_sweep(
         max_runs=MAX_RUNS,
         token_id=lambda flag, value: token_of(om, flag, value),
         on_cell=on_cell,
+        method=method,
     )
 
 
@@ -56,6 +59,7 @@ def run_pairs(
     target: str = "",
     contrast: str = "",
     on_pair: Callable[[int, int], None] | None = None,
+    method: str = "exact",
 ) -> SetResult:
     """Every pair of an uploaded file (JSONL or CSV with clean and corrupt, tracing.analyses.prompt_sets)
     swept as :func:`run_sweep` sweeps one, and per cell the mean over the pairs with its bootstrap interval.
@@ -77,6 +81,7 @@ def run_pairs(
         positions=positions,
         max_runs=MAX_RUNS,
         token_id=lambda flag, value: token_of(om, flag, value),
+        method=method,
     )
 
 

@@ -17,7 +17,7 @@ from app.core.models import AppModel
 from app.topics import patching as topic
 from app.topics import patching_runs as runs
 from app.ui import comparison, progress, widgets
-from tracing.analyses.patching import SITES, Cell
+from tracing.analyses.patching import METHODS, SITES, Cell
 from tracing.analyses.prompt_sets import MAX_BYTES
 
 RESULT = "patch_result"  # {"asked": what was swept, "table": DataFrame, "summary": dict}
@@ -68,15 +68,23 @@ def controls(om: AppModel) -> tuple:
     positions = b.text_input("Positions", key="patch_positions", help="all, last, or A:B (positions A..B-1)")
     target = c.text_input("Target", key="patch_target", placeholder="clean top", help="a token's text or id")
     contrast = d.text_input("Contrast", key="patch_contrast", placeholder="corrupt top", help="a token's text or id")
-    return (om.key, clean, corrupt, tuple(sites), positions.strip() or "all", target, contrast)
+    method = st.radio("Method", METHODS, key="patch_method", horizontal=True, help=METHOD_HELP)
+    return (om.key, clean, corrupt, tuple(sites), positions.strip() or "all", target, contrast, method)
+
+
+METHOD_HELP = (
+    "exact: one patched forward per cell. gradient: attribution patching, every cell estimated from one backward "
+    "pass of the corrupt run as grad · (clean − corrupt), the indexer's and router's selections held fixed and FP8 "
+    "roundings passed straight through (docs/attribution.md)."
+)
 
 
 def run_sweep(om: AppModel, asked: tuple) -> None:
-    _, clean, corrupt, sites, positions, target, contrast = asked
+    _, clean, corrupt, sites, positions, target, contrast, method = asked
     try:
         with progress.progress(st, "patch", "Patching…") as step:
             on_cell = lambda i, n: step(i / n, f"Cell {i + 1} of {n}…")  # noqa: E731
-            result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell)
+            result = runs.run_sweep(om, clean, corrupt, sites, positions, target, contrast, on_cell, method)
     except BAD_INPUT as exc:
         st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
         return
@@ -88,7 +96,8 @@ def show(om: AppModel, result: dict) -> None:
     cols = st.columns(4)
     cols[0].metric("Clean logit difference", f"{s['clean']['logit_diff']:+.3f}")
     cols[1].metric("Corrupt logit difference", f"{s['corrupt']['logit_diff']:+.3f}")
-    cols[2].metric("Patched runs", f"{s['runs']}")
+    gradient = s["method"] == "gradient"
+    cols[2].metric("Cells from one backward" if gradient else "Patched runs", f"{s['cells'] if gradient else s['runs']}")
     cols[3].metric("Time", f"{s['seconds']:.1f} s")
     for site in s["sites"]:
         fig = topic.map_figure(table, site, s)
@@ -147,24 +156,14 @@ def pairs_section(om: AppModel, asked: tuple) -> None:
     data = upload.getvalue()
     key = (hashlib.sha256(data).hexdigest(), om.key, *asked[3:])  # the file, the model and the sweep's settings
     if st.button("Sweep every pair", key="patch_pairs_run", icon=":material/play_arrow:"):
-        _, _, _, sites, positions, target, contrast = asked
-        bar = st.progress(0.0, text="Patching the pairs…")
+        _, _, _, sites, positions, target, contrast, method = asked
         try:
-            result = runs.run_pairs(
-                om,
-                data,
-                upload.name,
-                sites,
-                positions,
-                target,
-                contrast,
-                lambda i, n: bar.progress(i / n, text=f"Pair {i + 1} of {n}…"),
-            )
+            with progress.progress(st, "patch_pairs", "Patching the pairs…") as step:
+                on_pair = lambda i, n: step(i / n, f"Pair {i + 1} of {n}…")  # noqa: E731
+                result = runs.run_pairs(om, data, upload.name, sites, positions, target, contrast, on_pair, method)
         except BAD_INPUT as exc:
             st.error(f"**Not patched.** {widgets.escape_md(str(exc))}", icon=":material/error:")
             return
-        finally:
-            bar.empty()
         st.session_state[PAIRS] = {"asked": key, "table": result.table, "each": result.each, "summary": result.summary}
     result = st.session_state.get(PAIRS)
     if result is None or result["asked"] != key:

@@ -12,7 +12,9 @@ route against its plain function, and the traces of a model both ways):
   keys left uncomputed;
 - ``moe``: a MoE block's experts prepared together, [w1; w3] as one product, split among threads;
 - ``weights``: the copies kept beside their weights (weakly: they go when the weight goes);
-- ``threads``: the thread policy, a context the entry points enter (:func:`serial_passes`).
+- ``threads``: the thread policy, a context the entry points enter (:func:`serial_passes`);
+- ``through``: inside model.fp8.straight_through, where autograd records, each function's value as
+  above and a gradient past it (FP8 roundings passed straight through, selections held fixed).
 
 ``ANATOMY_KERNELS=plain`` switches every route off (read once per process); :func:`plain` does in
 a context. Off the CPU, on a weight that is trained, and with the routes off, each function is its
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from .. import fp8 as plain_fp8
 from . import fp8 as _fp8
 from . import moe as _moe
-from . import products, switch, threads, weights
+from . import products, switch, threads, through, weights
 from .products import cpu_route, describe_route, native_bf16, product_dtype
 from .switch import ENV, enabled, plain, setting
 from .threads import serial_passes
@@ -63,6 +65,9 @@ def linear(
     """y = x W^T, the reference's ``linear``: an FP8 weight's product rounds x through FP8 first
     (model.fp8.fp8_gemm; x may come rounded already), another weight multiplies x in x's dtype.
     Inside model.fp8.unrounded_activations an FP8 weight's product takes x unrounded."""
+    source = x.source if isinstance(x, plain_fp8.Rounded) else x
+    if through.records(source):  # the gradient of x unrounded times the dequantised weight
+        return through.through(lambda: linear(x, weight, scale, scale_fmt), through.unrounded_product(weight, scale), source)
     if scale is not None:
         if not isinstance(x, plain_fp8.Rounded) and not plain_fp8.rounds_activations():
             return _fp8.unrounded_gemm(x, weight, scale) if _on(weight) else plain_fp8.unrounded_gemm(x, weight, scale)
@@ -88,6 +93,8 @@ def fake_quant(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
     """x rounded through FP8 and back (model.fp8.fake_quant); x itself inside model.fp8.unrounded_activations."""
     if not plain_fp8.rounds_activations():
         return x
+    if through.records(x):  # the round trip passes its gradient unchanged
+        return through.through(lambda: fake_quant(x, scale_fmt), through.identity, x)
     return _fp8.fake_quant(x, scale_fmt) if _on(x) else plain_fp8.fake_quant(x, scale_fmt)
 
 
@@ -102,21 +109,32 @@ def fp8_index(
     """The indexer's scores (model.fp8.fp8_index). ``causal_from``: the scores get a prefill's causal mask
     added after (query m sees keys up to causal_from + m), so the CPU route may leave the masked
     ones at -inf uncomputed; ``q_scale``: q's act_quant scales, which spare it reading the codes.
-    q and k unrounded (model.fp8.quantised inside unrounded_activations) take the plain function."""
+    q and k unrounded (model.fp8.quantised inside unrounded_activations) take the plain function.
+    The scores only choose keys: they carry no gradient (model.fp8.straight_through)."""
+    if through.records(q, weights_, k):
+        with torch.no_grad():
+            return fp8_index(q, weights_, k, k_scale, causal_from, q_scale)
     if _on(q) and q.dtype == plain_fp8.FP8:
         return _fp8.fp8_index(q, weights_, k, k_scale, causal_from, q_scale)
     return plain_fp8.fp8_index(q, weights_, k, k_scale)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """The indexer's Walsh-Hadamard rotation (model.fp8.hadamard)."""
+    """The indexer's Walsh-Hadamard rotation (model.fp8.hadamard); no gradient, as the scores it feeds."""
+    if through.records(x):
+        with torch.no_grad():
+            return hadamard(x)
     return _fp8.hadamard(x) if _on(x) else plain_fp8.hadamard(x)
 
 
 def topk(x: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values along ``dim`` and their indices, best first; among equal values the
     lower index wins, as CUDA's top-k fills ties in index order (CPU top-k leaves ties unordered).
-    Index scores tie often: the ReLU makes whole rows of exact zeros."""
+    Index scores tie often: the ReLU makes whole rows of exact zeros. A selection carries no
+    gradient (model.fp8.straight_through): the values too are returned without one."""
+    if through.records(x):
+        with torch.no_grad():
+            return topk(x, k, dim)
     if _on(x):
         values, indices = products.sort(x, dim)
     else:
@@ -126,11 +144,16 @@ def topk(x: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Te
 
 def einsum(equation: str, *operands: torch.Tensor) -> torch.Tensor:
     """torch.einsum (on the CPU: in products.product_dtype, threaded)."""
+    if through.records(*operands):
+        surrogate = through.plain(lambda *xs: torch.einsum(equation, *xs))
+        return through.through(lambda: einsum(equation, *operands), surrogate, *operands)
     return products.einsum(equation, *operands) if _on(operands[0]) else torch.einsum(equation, *operands)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul (on the CPU: in products.product_dtype, threaded)."""
+    if through.records(a, b):
+        return through.through(lambda: matmul(a, b), through.plain(torch.matmul), a, b)
     return products.matmul(a, b) if _on(a) else torch.matmul(a, b)
 
 
@@ -141,7 +164,10 @@ def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def experts(modules, x: torch.Tensor | plain_fp8.Rounded, tokens: torch.Tensor, counts: list[int], dtype: torch.dtype):
     """A MoE block's routed experts on their rows, sorted by expert: (N k, D) in ``dtype``, by the
-    CPU route where it has one (moe.experts); None where the block's own loop must run."""
+    CPU route where it has one (moe.experts); None where the block's own loop must run (also where
+    autograd records: each expert's products then pass the gradient, model.kernels.through)."""
+    if through.records(x.source if isinstance(x, plain_fp8.Rounded) else x):
+        return None
     return _moe.experts(modules, x, tokens, counts, dtype) if _on(tokens) else None
 
 

@@ -32,6 +32,12 @@ def test_the_clean_stream_put_back_where_the_prompts_differ_restores_the_answer(
     assert len(table) == om.args.n_layers == len(calls) and (table["value"] == 1.0).all()
 
 
+def test_the_gradient_method_estimates_the_same_cells(om):
+    exact, gradient = (runs.run_sweep(om, CLEAN, CORRUPT, ["heads"], positions="last", method=m) for m in ("exact", "gradient"))
+    keys = ["site", "block", "position", "index"]
+    assert gradient.table[keys].equals(exact.table[keys]) and set(gradient.table["method"]) == {"gradient"}
+
+
 def test_one_cells_patched_run_parts_from_the_corrupt_run_at_its_position(om):
     n = len(om.encode(request_for(om, CLEAN)))
     base, patched = runs.patched_cell(om, CLEAN, CORRUPT, Cell("resid_pre", 1, n - 1), "resid_pre 1")

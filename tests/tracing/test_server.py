@@ -8,6 +8,7 @@ a thread); the command line's server runs as a process, one rank and two (torchr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from starlette.testclient import TestClient
 from tests.tracing.serving import TOKEN, in_process, post
 from tracing.analyses.graph import Graph
 from tracing.cli.commands import main
+from tracing.cli.loading import open_checkpoint
 from tracing.client import read_answer
 from tracing.runner import TraceRequest, run
 from tracing.server.ranks import Fault
@@ -85,6 +87,23 @@ def test_a_graph_on_the_server_makes_the_local_trace(served):
     wide.add("layers.1.resid_pre", wide.constant(torch.ones(3)))  # the model's width is not 3
     answer = post(client, TraceRequest(prompt="It is", graph=wide))
     assert answer.status_code == 422 and "has shape [3]" in answer.json()["error"]
+
+
+def test_a_gradient_over_http_is_the_gradient_run_takes(served):
+    client, state, loaded = served
+    request = TraceRequest(prompt=PROMPT, record=("logits.last", "layers.*.grad.attn.head_out"), gradient_of=(5, 9))
+    answer = post(client, request)
+    assert answer.status_code == 200
+    want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
+    assert read_answer(iter([answer.content])) == want.to_bytes() and "layers.1.grad.attn.head_out" in want.tensors
+    answer = post(client, TraceRequest(prompt=PROMPT, gradient_of=(5, 9), generate=2))
+    assert answer.status_code == 422 and "cannot be combined with --generate" in answer.text
+    limits, state.limits = state.limits, dataclasses.replace(state.limits, max_gradient_tokens=4)
+    try:  # the backward keeps every block's T x T attention: bounded apart, before the queue
+        answer = post(client, request)
+    finally:
+        state.limits = limits
+    assert answer.status_code == 422 and "a backward pass of at most 4" in answer.text
 
 
 @pytest.mark.parametrize(
@@ -293,6 +312,20 @@ def test_run_on_a_two_rank_server_writes_the_one_process_trace(two_ranks, app_ch
             torch.testing.assert_close(a[name], b[name], rtol=2**-7, atol=1e-5, equal_nan=True)
         else:
             assert torch.equal(a[name], b[name]), name  # selections, tokens, the prefill's default sites: exactly
+
+
+def test_a_gradient_on_two_ranks_is_the_one_process_gradient(two_ranks, app_checkpoint):
+    """Every rank runs the backward pass; the collectives' gradients make each rank's the whole one."""
+    request = TraceRequest(prompt=PROMPT, record=("logits.last", "layers.*.grad.*"), gradient_of=(5, 9))
+    body, kind = encode_request(request)
+    answer = httpx.post(f"{two_ranks}/trace", content=body, headers={"content-type": kind}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    remote = Trace.from_bytes(read_answer(iter([answer.content])))
+    loaded = open_checkpoint(app_checkpoint)
+    local = run(loaded.model, request, loaded.tokenizer)
+    assert set(local.tensors) == set(remote.tensors) and len([n for n in local.tensors if ".grad." in n]) > 10
+    for name, value in local.tensors.items():  # partial sums meet in another order, forward and backward
+        torch.testing.assert_close(remote[name], value, rtol=0.01, atol=0.01 * float(value.abs().max()), msg=name)
 
 
 def test_bad_values_on_two_ranks_are_refused_and_the_ranks_serve_on(two_ranks):

@@ -43,6 +43,16 @@ def test_patching_on_a_server_writes_the_local_table(server, app_checkpoint, tmp
     assert "--target 'no such token' is" in err and "\n" not in err and not (tmp_path / "x").exists()
 
 
+def test_gradient_patching_on_a_server_writes_the_local_table(server, app_checkpoint, tmp_path, capsys):
+    argv = ["patching", "--clean", CLEAN, "--corrupt", CORRUPT, "--method", "gradient", "--sites", "heads,experts"]
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--server", server, "--out", str(tmp_path / "remote")]) == 0
+    assert capsys.readouterr().err.count("patching (gradient)") == 2
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert (remote / "patching.csv").read_bytes() == (local / "patching.csv").read_bytes()
+    assert json.loads((remote / "summary.json").read_text())["cells"] > 20
+
+
 def test_run_causal_on_a_server_writes_the_local_trace_and_table(server, app_checkpoint, tmp_path, capsys):
     argv = ["run", "--prompt", PROMPT, "--attribute", "--causal", "3"]
     local, remote = tmp_path / "local", tmp_path / "remote"

@@ -37,7 +37,7 @@ def test_derived_rows_name_what_they_are_computed_from_and_how():
         # a derived row says how it is computed; a row computed by "derive" carries the function
         assert (row.derived_from is None) == (row.computed == ""), row.pattern
         assert (row.computed == "derive") == (row.derive is not None), row.pattern
-        assert row.computed in ("", "derive", "lens", "next", "mtp", "attribution", "flow"), row.pattern
+        assert row.computed in ("", "derive", "lens", "next", "mtp", "attribution", "flow", "gradient"), row.pattern
 
 
 def test_integer_rows_carry_their_index_range_and_padded_rows_their_fill():

@@ -172,3 +172,13 @@ def test_the_server_answers_as_run(v3_checkpoint):
     want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label})
     assert read_answer(iter([answer.content]), lambda event: None) == want.to_bytes()
     no_indexer(want)
+
+
+def test_a_gradient_runs_through_v3s_arithmetic_and_leaves_its_forward(v3_checkpoint):
+    """V3's attention reads the dequantised wkv_b a pass in inference mode kept: a constant of the backward."""
+    loaded = open_checkpoint(v3_checkpoint)
+    ids = [5, 17, 33, 2, 40, 9]
+    plain = run(loaded.model, TraceRequest(token_ids=ids))
+    taken = run(loaded.model, TraceRequest(token_ids=ids, gradient_of=(3, 4)))
+    assert all(torch.equal(value, taken[name]) for name, value in plain.tensors.items())
+    assert taken["layers.0.grad.resid_pre"].abs().sum() > 0

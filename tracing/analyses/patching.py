@@ -17,6 +17,13 @@ runs wherever a request runs: in this process, or on a model server. Cost: one f
 (the count is known before the first, :func:`plan`); a patch at position p leaves the positions
 before it as the corrupt run has them, bit for bit, but the forward still computes them (the
 reference's prefill has no resumable prefix to start from).
+
+``method="gradient"`` is attribution patching (Nanda 2023; AtP, Kramar et al. 2024): every cell
+from one backward pass of the corrupt run (``TraceRequest.gradient_of``), the patched logit
+difference estimated to first order as the corrupt one plus grad . (clean - corrupt) at the cell's
+site, position and head or expert. The gradient holds the indexer's and the router's selections
+fixed and passes the FP8 roundings straight through (model.fp8.straight_through); the exact method
+is its check (scripts/bench_patching.py, docs/attribution.md).
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from ..sites import site_name
 from ..trace import Trace
 
 SITES = ("resid_pre", "attn_out", "ffn_out", "heads", "experts")
-COLUMNS = ["site", "block", "position", "index", "logit_diff", "value"]
+METHODS = ("exact", "gradient")  # one patched forward per cell, or every cell from one backward
+COLUMNS = ["site", "block", "position", "index", "logit_diff", "value", "method"]
 RECORD = {  # what the clean and corrupt runs record for each kind of patch
     "resid_pre": ("resid_pre",),
     "attn_out": ("attn_out",),
@@ -61,6 +69,12 @@ def parse_sites(text: str | Iterable[str]) -> tuple[str, ...]:
     if unknown or not names:
         raise InputError(f"--sites {unknown[0] if unknown else ''!r}: choose from {', '.join(SITES)}")
     return names
+
+
+def parse_method(text: str) -> str:
+    if text not in METHODS:
+        raise InputError(f"--method {text!r}: choose from {', '.join(METHODS)}")
+    return text
 
 
 def parse_positions(text: str, n_tokens: int) -> list[int]:
@@ -119,6 +133,31 @@ def patch_of(cell: Cell, clean: Trace, corrupt: Trace) -> tuple[str, torch.Tenso
     return site_name(b, "ffn.routed_out"), value
 
 
+GRADIENT_OF = {"resid_pre": "resid_pre", "attn_out": "attn_out", "ffn_out": "ffn_out", "heads": "attn.head_out"}
+GRADIENT_OF["experts"] = "ffn.routed_out"  # the routed sum: an expert's weighted output adds to it as it is
+
+
+def gradient_sites(cfg, sites: Iterable[str]) -> tuple[str, ...]:
+    """The grad.* sites the gradient method reads for these kinds of cell."""
+    return tuple(sorted({site_name(b, "grad." + GRADIENT_OF[site]) for site in sites for b in _blocks(cfg, site)}))
+
+
+def estimate(cell: Cell, clean: Trace, corrupt: Trace) -> float:
+    """The first-order change of the logit difference when the cell's value goes from the corrupt
+    run's to the clean run's: grad . (clean - corrupt), the gradient the corrupt run's backward
+    recorded at the cell's site (``corrupt`` holds the grad.* sites)."""
+    b, p = cell.block, cell.position
+    suffix = GRADIENT_OF[cell.site]
+    grad = corrupt.site(b, "grad." + suffix)[p]  # (D) or (H, Dv)
+    if cell.site == "experts":
+        delta = _expert_part(clean, b, p, cell.index) - _expert_part(corrupt, b, p, cell.index)
+    else:
+        delta = clean.site(b, suffix)[p] - corrupt.site(b, suffix)[p]
+    if cell.site == "heads":
+        grad, delta = grad[cell.index], delta[cell.index]
+    return float((grad.double() * delta.double()).sum())
+
+
 def _expert_part(trace: Trace, block: int, position: int, expert: int) -> torch.Tensor:
     """The expert's weighted output in the position's routed sum (zeros when it was not chosen)."""
     slots = trace.site(block, "ffn.gate.topk_indices")[position].sort().values  # expert_out's slots, ascending
@@ -146,13 +185,17 @@ def sweep(
     max_runs: int = 5000,
     token_id: Callable[[str, int | str], int] | None = None,
     on_cell: Callable[[int, int], None] | None = None,
+    method: str = "exact",
 ) -> Sweep:
     """Patch every cell of ``sites`` x blocks x ``positions`` of ``clean`` into ``corrupt`` (two
     requests of prompts or token ids of one length) and score each. ``run`` traces a request
     (``lambda r: tracing.run(model, r, tokenizer)``, a server's client); ``target`` and ``contrast``
     default to the clean and the corrupt run's top next token (``token_id`` resolves a token's
-    text); more cells than ``max_runs`` are refused before the first run. ``on_cell(i, n)``: progress."""
+    text); more cells than ``max_runs`` are refused before the first run. ``on_cell(i, n)``: progress
+    of the exact method's runs. ``method``: "exact" (one patched run per cell) or "gradient" (every
+    cell from the corrupt run's backward pass, :func:`estimate`; ``max_runs`` does not bound it)."""
     sites = parse_sites(sites)
+    method = parse_method(method)
     probe = [run(dataclasses.replace(r, record=("next.topk_indices",))) for r in (clean, corrupt)]
     lengths = [t.n_tokens for t in probe]
     if lengths[0] != lengths[1]:
@@ -162,21 +205,54 @@ def sweep(
     if "experts" in sites and not cfg.n_moe_layers:
         raise InputError("--sites experts: this model has no MoE blocks")
     record = record_for(cfg, sites)
-    a, b = (run(dataclasses.replace(r, record=record)) for r in (clean, corrupt))
     resolve = token_id or (lambda flag, value: int(value))
-    target_id = int(a["next.topk_indices"][-1, 0]) if target is None else resolve("--target", target)
-    contrast_id = _contrast(b, target_id) if contrast is None else resolve("--contrast", contrast)
+    target_id = int(probe[0]["next.topk_indices"][-1, 0]) if target is None else resolve("--target", target)
+    contrast_id = _contrast(probe[1], target_id) if contrast is None else resolve("--contrast", contrast)
     if target_id == contrast_id:
         raise InputError(f"--target and --contrast are both token {target_id}: the logit difference would be 0")
+    started = time.perf_counter()
+    a = run(dataclasses.replace(clean, record=record))
+    if method == "gradient":  # the corrupt run's forward, and one backward from its logit difference
+        wanted = (*record, *gradient_sites(cfg, sites))
+        b = run(dataclasses.replace(corrupt, record=wanted, gradient_of=(target_id, contrast_id)))
+    else:
+        b = run(dataclasses.replace(corrupt, record=record))
 
     def score(t: Trace) -> float:
         return float(t["logits.last"][target_id] - t["logits.last"][contrast_id])
 
     high, low = score(a), score(b)
     cells = plan(a, b, sites, chosen)
-    if len(cells) > max_runs:
+    if method == "gradient":
+        rows = []
+        for cell in cells:
+            moved = low + estimate(cell, a, b)
+            share = (moved - low) / (high - low) if high != low else float("nan")
+            rows.append((cell.site, cell.block, cell.position, cell.index, moved, share, method))
+    elif len(cells) > max_runs:
         raise InputError(f"{len(cells)} patched runs (one per cell) exceed --max-runs {max_runs}: fewer sites or positions")
-    started, rows = time.perf_counter(), []
+    else:
+        rows = _exact(run, corrupt, a, b, cells, score, low, high, on_cell)
+    summary = {
+        "method": method,
+        "tokens": n,
+        "target": target_id,
+        "contrast": contrast_id,
+        "clean": {"prompt": clean.prompt, "tokens": a.tokens, "logit_diff": high, "top": int(a["next.topk_indices"][-1, 0])},
+        "corrupt": {"prompt": corrupt.prompt, "tokens": b.tokens, "logit_diff": low, "top": int(b["next.topk_indices"][-1, 0])},
+        "differing_positions": [p for p in range(n) if a.token_ids[p] != b.token_ids[p]],
+        "sites": list(sites),
+        "positions": chosen,
+        "cells": len(cells),
+        "runs": len(cells) if method == "exact" else 2,  # patched runs, or the clean run and the corrupt one's backward
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return Sweep(pd.DataFrame(rows, columns=COLUMNS), summary)
+
+
+def _exact(run, corrupt: TraceRequest, a: Trace, b: Trace, cells: list[Cell], score, low: float, high: float, on_cell) -> list:
+    """One patched run of the corrupt request per cell: its rows."""
+    rows = []
     for i, cell in enumerate(cells):
         if on_cell is not None:
             on_cell(i, len(cells))
@@ -186,20 +262,8 @@ def sweep(
         )
         moved = score(patched)
         share = (moved - low) / (high - low) if high != low else float("nan")
-        rows.append((cell.site, cell.block, cell.position, cell.index, moved, share))
-    summary = {
-        "tokens": n,
-        "target": target_id,
-        "contrast": contrast_id,
-        "clean": {"prompt": clean.prompt, "tokens": a.tokens, "logit_diff": high, "top": int(a["next.topk_indices"][-1, 0])},
-        "corrupt": {"prompt": corrupt.prompt, "tokens": b.tokens, "logit_diff": low, "top": int(b["next.topk_indices"][-1, 0])},
-        "differing_positions": [p for p in range(n) if a.token_ids[p] != b.token_ids[p]],
-        "sites": list(sites),
-        "positions": chosen,
-        "runs": len(cells),
-        "seconds": round(time.perf_counter() - started, 3),
-    }
-    return Sweep(pd.DataFrame(rows, columns=COLUMNS), summary)
+        rows.append((cell.site, cell.block, cell.position, cell.index, moved, share, "exact"))
+    return rows
 
 
 def _contrast(corrupt: Trace, target: int) -> int:

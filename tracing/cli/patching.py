@@ -45,6 +45,12 @@ def add_parser(sub) -> None:
     patching.add_argument("--positions", default="all", help="all (default), last, or A:B (positions A..B-1)")
     patching.add_argument("--max-runs", type=integer(1), default=5000, help="refuse a sweep of more patched runs (default 5000)")
     patching.add_argument(
+        "--method",
+        default="exact",
+        help="exact (default: one patched run per cell) or gradient (attribution patching: every cell from one "
+        "backward pass, FP8 roundings passed straight through, selections held fixed; docs/attribution.md)",
+    )
+    patching.add_argument(
         "--out", required=True, type=named_path, metavar="DIR", help="the directory: patching.csv, summary.json"
     )
     patching.add_argument("--parquet", action="store_true", help="also patching.parquet")
@@ -54,7 +60,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_patching(args: argparse.Namespace) -> int:
-    from ..analyses.patching import parse_sites, sweep
+    from ..analyses.patching import parse_method, parse_sites, sweep
     from ..runner import TraceRequest, token_id
     from ..tables import to_csv_bytes
     from .inputs import token_ids
@@ -70,6 +76,7 @@ def cmd_patching(args: argparse.Namespace) -> int:
             raise InputError(f"give --{which} or --{which}-ids (or --pairs FILE)")
     check_directory(args.out)
     parse_sites(args.sites)
+    parse_method(args.method)
     requests = [
         TraceRequest(prompt=text, token_ids=None if ids is None else token_ids(ids, f"--{which}-ids")).check()
         for which, text, ids in (("clean", args.clean, args.clean_ids), ("corrupt", args.corrupt, args.corrupt_ids))
@@ -94,6 +101,7 @@ def cmd_patching(args: argparse.Namespace) -> int:
             max_runs=args.max_runs,
             token_id=lambda flag, value: token_id(flag, value, tokenizer),
             on_cell=on_cell,
+            method=args.method,
         )
     finally:
         progress.close()
@@ -108,8 +116,8 @@ def cmd_patching(args: argparse.Namespace) -> int:
         folder.write("summary.json", lambda path: path.write_bytes(summary))
     s = result.summary
     print(
-        f"patching: {s['runs']} runs in {s['seconds']:.1f} s; logit difference clean {s['clean']['logit_diff']:+.3f}, "
-        f"corrupt {s['corrupt']['logit_diff']:+.3f}; {args.out}",
+        f"patching ({s['method']}): {s['cells']} cells, {s['runs']} runs in {s['seconds']:.1f} s; "
+        f"logit difference clean {s['clean']['logit_diff']:+.3f}, corrupt {s['corrupt']['logit_diff']:+.3f}; {args.out}",
         file=sys.stderr,
     )
     return 0

@@ -42,6 +42,12 @@ def add_parser(sub) -> None:
         "--max-prompt-tokens", type=integer(), default=4096, help="longest prompt a request may bring (default 4096)"
     )
     serve.add_argument("--max-generate", type=integer(), default=512, help="most tokens a request may generate (default 512)")
+    serve.add_argument(
+        "--max-gradient-tokens",
+        type=integer(),
+        default=1024,
+        help="longest prompt of a request with gradient_of, whose backward keeps every block's T x T attention (default 1024)",
+    )
     serve.add_argument("--max-body-mb", type=finite, default=64.0, help="largest request body, patches included (default 64)")
     serve.add_argument("--max-patch-mb", type=finite, default=64.0, help="largest patches of a request (default 64)")
     serve.add_argument("--max-seconds", type=finite, default=600.0, help="a request is stopped after this long (default 600)")
@@ -76,6 +82,7 @@ def _limits(args: argparse.Namespace):
     for flag, value in (
         ("--max-prompt-tokens", args.max_prompt_tokens),
         ("--max-generate", args.max_generate),
+        ("--max-gradient-tokens", args.max_gradient_tokens),
         ("--max-body-mb", args.max_body_mb),
         ("--max-patch-mb", args.max_patch_mb),
         ("--max-seconds", args.max_seconds),
@@ -90,6 +97,7 @@ def _limits(args: argparse.Namespace):
         max_patch_bytes=int(args.max_patch_mb * 2**20),
         max_prompt_tokens=args.max_prompt_tokens,
         max_generate=args.max_generate,
+        max_gradient_tokens=args.max_gradient_tokens,
         max_seconds=args.max_seconds,
         max_queue=args.max_queue,
     )

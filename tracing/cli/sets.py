@@ -82,7 +82,6 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     check_directory(args.out)
     parse_sites(args.sites)
     pairs = read_set(args.pairs, parse_pairs)
-    method = {"method": args.method} if getattr(args, "method", None) is not None else {}  # the sweep's, where it has one
     run, tokenizer, close = _runner(args, True)
     on_pair, bar = progress("patching", len(pairs))
     try:
@@ -99,7 +98,7 @@ def cmd_pairs(args: argparse.Namespace) -> int:
             positions=args.positions,
             max_runs=args.max_runs,
             token_id=lambda flag, value: token_id(flag, value, tokenizer),
-            **method,
+            method=args.method,
         )
         _finished(bar)
     finally:

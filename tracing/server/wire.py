@@ -49,6 +49,8 @@ class Limits:
     max_record_patterns: int = 64
     max_pattern_chars: int = 200
     max_patches: int = 4096  # tensors in one request's patches
+    # a backward pass (gradient_of) keeps every block's attention probabilities, T x T per head
+    max_gradient_tokens: int = 1024
 
     @property
     def max_prompt_chars(self) -> int:
@@ -67,6 +69,7 @@ class Limits:
             "max_record_patterns": self.max_record_patterns,
             "max_pattern_chars": self.max_pattern_chars,
             "max_patches": self.max_patches,
+            "max_gradient_tokens": self.max_gradient_tokens,
         }
 
 

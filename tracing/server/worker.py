@@ -151,7 +151,7 @@ class Model:
 def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     """Everything rank 0 can check before a request is queued (its token ids, as they will run)."""
     from ..analyses.intervention_specs import check_positions
-    from ..runner import attribution_of, check_prefill, check_token_ids, encode, interventions_of
+    from ..runner import attribution_of, check_gradient, check_prefill, check_token_ids, encode, interventions_of
 
     _within_limits(request, limits)
     request.check()
@@ -165,6 +165,13 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     n_positions = len(ids) + request.generate
     if request.prefill is not None:
         check_prefill(request.prefill, len(ids))
+    if request.gradient_of is not None:  # what its backward pass needs: one prefill, the weights held
+        check_gradient(request.gradient_of, args, False, model.loaded.plan, bool(model.loaded.stream))
+        if len(ids) > limits.max_gradient_tokens:
+            most = limits.max_gradient_tokens
+            raise InputError(
+                f"gradient_of: the prompt has {len(ids)} tokens; this server takes a backward pass of at most {most}"
+            )
     if (attribution := attribution_of(request, model.loaded.tokenizer)) is not None:
         attribution.check(n_positions, args.vocab_size)
     interventions, _ = interventions_of(request)

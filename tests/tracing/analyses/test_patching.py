@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from tracing import TraceRequest, run
-from tracing.analyses.patching import COLUMNS, sweep
+from tracing.analyses.patching import COLUMNS, METHODS, sweep
 from tracing.cli.commands import main
 from tracing.errors import InputError
 
@@ -85,8 +86,38 @@ def test_the_command_writes_the_table_and_both_runs_summary(tiny_checkpoint, tmp
     assert table.equals(pd.read_parquet(out / "patching.parquet"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"] == len(table) and {"clean", "corrupt", "target", "contrast"} <= set(summary)
-    assert "runs in" in capsys.readouterr().err
+    assert "runs in" in capsys.readouterr().err and set(table["method"]) == {"exact"}
+    assert main([*base, "--method", "gradients", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "--method 'gradients': choose from exact, gradient" in err and err.count("\n") == 1
+    assert not (tmp_path / "y").exists()
     short = ["patching", "--checkpoint", str(tiny_checkpoint), "--clean-ids", ids[0], "--corrupt-ids", "1,2,3"]
     assert main([*short, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "10 tokens and the corrupt one 3" in err and err.count("\n") == 1
+
+
+def test_the_gradient_method_estimates_the_exact_sweep_from_one_backward(tiny_model):
+    """Near the output the logit difference is close to linear in the patched value: there the
+    first-order estimate must track the patched runs, cell for cell."""
+    exact, gradient = (swept(tiny_model, CLEAN, LAST, sites="ffn_out,experts", positions="last", method=m) for m in METHODS)
+    keys = ["site", "block", "position", "index"]
+    assert list(gradient.table.columns) == COLUMNS and gradient.table[keys].equals(exact.table[keys])
+    assert set(exact.table["method"]) == {"exact"} and set(gradient.table["method"]) == {"gradient"}
+    # the backward's forward is the default forward, bit for bit
+    assert gradient.summary["corrupt"]["logit_diff"] == exact.summary["corrupt"]["logit_diff"]
+    assert gradient.summary["runs"] == 2 and exact.summary["runs"] == len(exact.table) == gradient.summary["cells"] > 5
+    assert np.corrcoef(exact.table["value"], gradient.table["value"])[0, 1] > 0.95
+
+
+@pytest.mark.slow  # about 20 s on two shared cores: the demo's exact sweep, one forward per cell
+def test_on_the_demo_the_gradient_tracks_the_exact_sweep():
+    """The bundled demo's first pair (docs/attribution.md): over every cell, the estimate correlates
+    with the patched runs as the docs say."""
+    from tracing.cli.loading import DEMO, open_checkpoint
+
+    demo = open_checkpoint(DEMO)
+    pair = [TraceRequest(prompt=p) for p in ("Anne had not seen Captain", "Anne had not seen Colonel")]
+    exact, gradient = (sweep(lambda r: run(demo.model, r, demo.tokenizer), *pair, method=m) for m in METHODS)
+    assert len(exact.table) == len(gradient.table) == 241
+    assert np.corrcoef(exact.table["value"], gradient.table["value"])[0, 1] > 0.9
