@@ -10,6 +10,7 @@ parallelism (``model.parallel``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -384,9 +385,17 @@ class TensorReader:
 def expected_specs(args: ModelArgs, mtp: bool = False) -> dict[str, TensorSpec]:
     """Every checkpoint tensor the model needs (the MTP layer only with ``mtp``, and then with its
     copies of the embedding and head): name -> shape and the dtype the checkpoint stores it in (the
-    module's, but bfloat16 for its family's names.FAMILIES stored_bf16)."""
+    module's, but bfloat16 for its family's names.FAMILIES stored_bf16). Counted once per config and
+    process, with the MTP layer (building the 671B on the meta device takes seconds), whose names
+    are the layers past the model's; each call gets its own dict."""
+    specs = _specs(args)
+    return {n: s for n, s in specs.items() if mtp or (layer_of(n) or 0) < args.n_layers}
+
+
+@functools.lru_cache(maxsize=8)
+def _specs(args: ModelArgs) -> dict[str, TensorSpec]:
     with torch.device("meta"):
-        model = transformer_class(args)(args, mtp=mtp)
+        model = transformer_class(args)(args, mtp=True)
     specs = {
         to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype, args.model_type))
         for name, p in model.named_parameters()
