@@ -280,10 +280,18 @@ def stop(proc) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(app_checkpoint):
-    proc, url = start(["--checkpoint", app_checkpoint], ranks=2)
-    yield url
+def two_rank_server(app_checkpoint):
+    """A two-rank server for the module (its process and URL); its last test kills a rank."""
+    proc, url = start(["--checkpoint", app_checkpoint, "--collective-timeout", "10"], ranks=2)
+    yield proc, url
     stop(proc)
+
+
+@pytest.fixture
+def two_ranks(two_rank_server) -> str:
+    proc, url = two_rank_server
+    assert proc.poll() is None, "the two-rank server has ended (a test that kills a rank runs last)"
+    return url
 
 
 RUNS = {
@@ -441,14 +449,12 @@ def test_a_token_is_needed_off_loopback_and_checked(app_checkpoint, tmp_path, ca
         assert proc.returncode == 0 and time.monotonic() - started < 15, log  # SIGTERM: a clean, prompt exit
 
 
-def test_a_rank_that_dies_ends_the_server(app_checkpoint):
-    proc, url = start(["--checkpoint", app_checkpoint, "--collective-timeout", "10"], ranks=2)
-    try:
-        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text(errors="replace"))
-        os.kill(int(rank1), signal.SIGKILL)
-        started = time.monotonic()
-        proc.wait(60)
-        assert time.monotonic() - started < 60 and proc.returncode != 0
-    finally:
-        stop(proc)
+def test_a_rank_that_dies_ends_the_server(two_rank_server):
+    """Last in the module: it ends the module's server."""
+    proc, url = two_rank_server
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    rank1 = next(p for p in workers if "RANK=1\0" in Path(f"/proc/{p}/environ").read_text(errors="replace"))
+    os.kill(int(rank1), signal.SIGKILL)
+    started = time.monotonic()
+    proc.wait(60)
+    assert time.monotonic() - started < 60 and proc.returncode != 0
