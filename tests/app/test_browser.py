@@ -27,6 +27,8 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
 PROMPT = "The lightning indexer chooses which earlier keys each query may attend to."
+GENERATED_TIP = r"position \d+ · p = [01]\.\d{3} · most likely: .+ \([01]\.\d{3}\)"  # app.topics.generation
+ATTRIBUTED_TIP = r"position \d+ · [+-]\d+\.\d{4} through the attention"  # app.topics.attribution
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 if not CHROMIUM.exists():
@@ -88,35 +90,65 @@ def server(tmp_path_factory):
         yield url
 
 
-@contextlib.contextmanager
-def open_page(server: str):
-    """A page of the app in a fresh headless chromium (downloads accepted), closed afterwards."""
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless chromium for the module's pages (starting one costs seconds on 2 cores)."""
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
-            page.set_default_timeout(120_000)
-            page.goto(server)
-            yield page
+            yield browser
         finally:
             browser.close()
 
 
+@contextlib.contextmanager
+def open_page(chromium, server: str):
+    """A page of the app in a fresh browser context (no cookies or storage of another test's; downloads
+    accepted), closed afterwards."""
+    context = chromium.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(120_000)
+        page.goto(server)
+        yield page
+    finally:
+        context.close()
+
+
+def titles(locator) -> list[str]:
+    """The tooltips (title attributes) of the elements a locator finds."""
+    return locator.evaluate_all("els => els.map(e => e.title)")
+
+
+def assert_drawn(plot) -> None:
+    """A plotly chart that drew data (a trace or a heat map), not an empty frame."""
+    plot.wait_for()
+    assert plot.locator(".trace, .hm").count() > 0, plot.inner_html()[:500]
+
+
+def assert_tokens(locator, most: int, tip: str) -> None:
+    """Between one and ``most`` token spans, each showing text and its tooltip of the form ``tip``."""
+    locator.first.wait_for()
+    shown = locator.all_inner_texts()
+    assert 1 <= len(shown) <= most and all(shown), shown
+    assert all(re.fullmatch(tip, t) for t in titles(locator)), titles(locator)
+
+
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_trace_a_prompt_in_the_browser(server):
-    with open_page(server) as page:
+def test_trace_a_prompt_in_the_browser(chromium, server):
+    with open_page(chromium, server) as page:
         page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on first load
 
         prompt = page.locator('[data-testid="stSidebar"] [data-testid="stTextArea"] textarea')
         prompt.fill(PROMPT)
         page.get_by_role("button", name="Trace", exact=True).click()
         page.get_by_text(f"“{PROMPT}”").wait_for()  # the page header names the traced prompt
-        page.locator(".js-plotly-plot").first.wait_for()
+        assert_drawn(page.locator('[data-testid="stMain"] .js-plotly-plot').first)
 
         page.get_by_role("link", name="Block anatomy").click()
         page.locator('[data-testid="stMain"] .katex-display').first.wait_for()  # the card's equations
-        page.locator('[data-testid="stMain"] .js-plotly-plot').first.wait_for()  # its live plot
+        assert_drawn(page.locator('[data-testid="stMain"] .js-plotly-plot').first)  # its live plot
         # waits rather than counts: Streamlit may redraw the page once more after a page switch
         page.locator('[data-testid="stMain"] .katex-display').nth(1).wait_for()  # at least two equations
         page.locator('[data-testid="stCode"]', has_text="def forward").first.wait_for()
@@ -138,9 +170,9 @@ def test_trace_a_prompt_in_the_browser(server):
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_generate_in_the_browser(server):
+def test_generate_in_the_browser(chromium, server):
     """The sidebar's Generate control writes tokens; the Generation page draws the coloured text and its plots."""
-    with open_page(server) as page:
+    with open_page(chromium, server) as page:
         page.locator(".js-plotly-plot").first.wait_for()
         page.get_by_role("link", name="Generation").click()
         page.get_by_text("This trace only reads its prompt").wait_for()
@@ -154,9 +186,7 @@ def test_generate_in_the_browser(server):
         sync_api.expect(tokens).to_have_value("5")
         sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
         page.get_by_role("button", name="Trace", exact=True).click()
-        page.locator(".generated-token").first.wait_for()
-        page.wait_for_function("() => document.querySelectorAll('.generated-token').length >= 1")
-        assert page.locator(".generated-token").count() <= 5
+        assert_tokens(page.locator(".generated-token"), 5, GENERATED_TIP)
         main = page.locator('[data-testid="stMain"]')
         main.get_by_text("The ten most likely tokens", exact=False).first.wait_for()
         for tab, title in (  # one view per tab, drawn when its tab opens
@@ -174,15 +204,15 @@ def test_generate_in_the_browser(server):
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_attribution_in_the_browser(server):
+def test_attribution_in_the_browser(chromium, server):
     """The Attribution page splits the prediction (its plots and the coloured prompt), then draws the
     contribution graph on the button."""
-    with open_page(server) as page:
+    with open_page(chromium, server) as page:
         page.locator(".js-plotly-plot").first.wait_for()
         page.get_by_role("link", name="Attribution", exact=True).click()
         main = page.locator('[data-testid="stMain"]')
         main.get_by_text("The largest parts of", exact=False).first.wait_for()
-        page.locator(".attributed-token").first.wait_for()
+        assert_tokens(page.locator(".attributed-token"), 256, ATTRIBUTED_TIP)
         main.get_by_text("each head's part", exact=False).first.wait_for()
         page.get_by_role("button", name="Compute the contribution graph").click()
         main.get_by_text("Contribution graph into position", exact=False).first.wait_for()
@@ -227,7 +257,7 @@ def drawn_figures() -> dict[str, dict]:
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
-def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch):
+def test_every_figure_fits_its_margins(chromium, tmp_path_factory, monkeypatch):
     """Each figure comes with margins its labels, colour bars and legend fit in (app.topics.margins):
     plotly's automargin, which would otherwise grow a margin by drawing the figure a second time, finds
     nothing to grow, at a half-page and at a full-page width."""
@@ -238,34 +268,33 @@ def test_every_figure_fits_its_margins(tmp_path_factory, monkeypatch):
     assert len(figures) > 25
     script = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     grown = {}
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.set_content("<html><body></body></html>")
-            page.add_script_tag(path=str(script))
-            for name, spec in figures.items():
-                for width in (620, 1250):
-                    sizes = page.evaluate(
-                        """async ([fig, width]) => {
-                            const div = document.createElement('div'); document.body.appendChild(div);
-                            await Plotly.newPlot(div, fig.data, {...fig.layout, width}, {displaylogo: false});
-                            const s = div._fullLayout._size, m = fig.layout.margin;
-                            const out = [[s.l, s.r, s.t, s.b], [m.l, m.r, m.t, m.b]];
-                            Plotly.purge(div); div.remove(); return out;
-                        }""",
-                        [spec, width],
-                    )
-                    drawn, own = sizes
-                    if any(d > o + 0.5 for d, o in zip(drawn, own, strict=True)):
-                        grown[f"{name} @{width}"] = (own, [round(d) for d in drawn])
-        finally:
-            browser.close()
+    context = chromium.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        page = context.new_page()
+        page.set_content("<html><body></body></html>")
+        page.add_script_tag(path=str(script))
+        for name, spec in figures.items():
+            for width in (620, 1250):
+                sizes = page.evaluate(
+                    """async ([fig, width]) => {
+                        const div = document.createElement('div'); document.body.appendChild(div);
+                        await Plotly.newPlot(div, fig.data, {...fig.layout, width}, {displaylogo: false});
+                        const s = div._fullLayout._size, m = fig.layout.margin;
+                        const out = [[s.l, s.r, s.t, s.b], [m.l, m.r, m.t, m.b]];
+                        Plotly.purge(div); div.remove(); return out;
+                    }""",
+                    [spec, width],
+                )
+                drawn, own = sizes
+                if any(d > o + 0.5 for d, o in zip(drawn, own, strict=True)):
+                    grown[f"{name} @{width}"] = (own, [round(d) for d in drawn])
+    finally:
+        context.close()
     assert not grown, grown
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
+def test_trace_on_a_model_server_in_the_browser(chromium, tmp_path_factory):
     """With ANATOMY_SERVER set the app opens on the model server: the sidebar names it, a prompt traced
     and generated there draws its plots and its written tokens, and the Attribution page attributes
     on the server."""
@@ -274,7 +303,7 @@ def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
     checkpoint = demo_or_dev_checkpoint(tmp_path_factory.mktemp("browser-server"))
     model_server, url = start(["--checkpoint", checkpoint])
     try:
-        with streamlit_app(tmp_path_factory, ANATOMY_SERVER=url) as app_url, open_page(app_url) as page:
+        with streamlit_app(tmp_path_factory, ANATOMY_SERVER=url) as app_url, open_page(chromium, app_url) as page:
             page.locator(".js-plotly-plot").first.wait_for()  # the default prompt, traced on the server
             sidebar = page.locator('[data-testid="stSidebar"]')
             # the URL as the sidebar draws it: escaped text, an invisible word joiner after each colon
@@ -287,9 +316,9 @@ def test_trace_on_a_model_server_in_the_browser(tmp_path_factory):
             sync_api.expect(tokens).to_have_value("3")
             sidebar.locator('[data-testid="stTextArea"] textarea').fill(PROMPT)
             page.get_by_role("button", name="Trace", exact=True).click()
-            page.locator(".generated-token").first.wait_for()  # written on the server, drawn here
+            assert_tokens(page.locator(".generated-token"), 3, GENERATED_TIP)  # written on the server, drawn here
             page.get_by_role("link", name="Attribution", exact=True).click()
-            page.locator(".attributed-token").first.wait_for()
+            assert_tokens(page.locator(".attributed-token"), 256, ATTRIBUTED_TIP)
     finally:
         stop(model_server)
 
@@ -312,12 +341,12 @@ def trace_bytes(checkpoint: str) -> bytes:
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_a_file_name_creates_no_element(server, tmp_path_factory):
+def test_a_file_name_creates_no_element(chromium, server, tmp_path_factory):
     """An uploaded trace file's name, drawn in the sidebar's caption and the page's badge, is text: no
     image fetched, no link, colour, emphasis, code or formula made from it."""
     data = trace_bytes(demo_or_dev_checkpoint(tmp_path_factory.mktemp("names")))
     fetched = []
-    with open_page(server) as page:
+    with open_page(chromium, server) as page:
         page.on("request", lambda request: fetched.append(request.url))
         page.locator(".js-plotly-plot").first.wait_for()
         sidebar, main = page.locator('[data-testid="stSidebar"]'), page.locator('[data-testid="stMain"]')
@@ -337,13 +366,13 @@ def test_a_file_name_creates_no_element(server, tmp_path_factory):
 
 
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
-def test_a_link_and_a_reload_reopen_the_same_view(server):
+def test_a_link_and_a_reload_reopen_the_same_view(chromium, server):
     """The URL holds the view: a shared link opens its prompt on its page, a reload keeps it, and a
     prompt traced here lands in the URL."""
     from urllib.parse import parse_qs, quote, urlparse
 
     shared = "Anne had not seen Captain"
-    with open_page(server) as page:
+    with open_page(chromium, server) as page:
         page.goto(f"{server}/residual?prompt={quote(shared)}&block=1")
         page.get_by_text(f"“{shared}”").wait_for()  # the page header names the traced prompt
         sync_api.expect(page.locator('[data-testid="stSidebar"] textarea')).to_have_value(shared)
