@@ -18,16 +18,19 @@ def app(app_checkpoint, monkeypatch) -> AppTest:
     return start(monkeypatch, app_checkpoint, PAGE)
 
 
-def sweep(at: AppTest, clean: str, corrupt: str, sites: list[str]) -> AppTest:
+def sweep(at: AppTest, clean: str, corrupt: str, sites: list[str], positions: str | None = None) -> AppTest:
     at.text_area(key="patch_clean").set_value(clean)
     at.text_area(key="patch_corrupt").set_value(corrupt)
     at.multiselect(key="patch_sites").set_value(sites)
+    if positions is not None:
+        at.text_input(key="patch_positions").set_value(positions)
     at.button(key="patch_run").click()
     return raised_nothing(at.run())
 
 
 def test_a_sweep_draws_a_heat_map_per_site_and_compares_a_cell(app):
-    sweep(app, "Anne had not seen Captain", "Anne had not seen Colonel", ["resid_pre", "ffn_out", "heads"])
+    # the last two positions: the one where the prompts differ and one before it, where nothing can change
+    sweep(app, "Anne had not seen Captain", "Anne had not seen Colonel", ["resid_pre", "ffn_out", "heads"], "5:")
     assert not app.error, messages(app.error)
     header = messages(app.markdown[:1])  # the pair swept, not the sidebar's trace
     assert "7 tokens" in header and "clean “Anne had not seen Captain” → corrupt “Anne had not seen Colonel”" in header
@@ -38,6 +41,7 @@ def test_a_sweep_draws_a_heat_map_per_site_and_compares_a_cell(app):
     titles = chart_titles(app)
     for what in ("the stream entering the block", "the FFN update", "one head's output"):
         assert any(f"Patching {what}" in t for t in titles), titles
+    assert set(table["position"]) == {5, 6} and (table.query("position == 5")["value"] == 0).all()
     assert (table.query("site == 'resid_pre' and position == 6")["value"] == 1.0).all()
     raised_nothing(app.selectbox(key="patch_cell").select_index(1).run())  # the cell that restored most
     assert not app.error, messages(app.error)
