@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--dtype", default="bfloat16")
     add_intervention_flags(ev, positions=False)
+    ev.add_argument(
+        "--graph",
+        type=named_path,
+        metavar="FILE.json",
+        help="with --prompts: an intervention graph (docs/graphs.md) the changed runs apply, alone or with the flags",
+    )
     add_set_options(ev)
     # what the shared loader reads of the commands that take --synthetic and --stream (tracing.cli.patching._runner)
     ev.set_defaults(func=cmd_eval, synthetic=None, n_layers=None, stream=False, no_mtp=False, inexact_fp8_sums=False)
@@ -55,6 +61,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _over_prompts(args)
     if args.csv is not None:
         raise InputError("--csv applies to --prompts (--text-file prints one JSON line)")
+    if args.graph is not None:
+        raise InputError("--graph applies to --prompts (a graph runs on one prompt at a time, not on batches of windows)")
     path = regular_file(args.text_file, "text file")
     try:
         text = path.read_text(encoding="utf-8")
@@ -81,4 +89,9 @@ def _over_prompts(args: argparse.Namespace) -> int:
     spec = intervention_spec(args)
     if any(getattr(i, "positions", None) is not None for i in from_spec(spec)):
         raise InputError("eval: a removal acts at every position of every prompt (LAYER:ID@P applies to run)")
-    return cmd_eval_prompts(args, spec)
+    graph = None
+    if args.graph is not None:
+        from ..analyses.graph import Graph
+
+        graph = Graph.load(args.graph)
+    return cmd_eval_prompts(args, spec, graph)

@@ -156,10 +156,10 @@ def cmd_causal_prompts(args: argparse.Namespace, template) -> int:
     return 0
 
 
-def cmd_eval_prompts(args: argparse.Namespace, spec: dict) -> int:
-    """``eval --prompts FILE [interventions]``: the next-token loss of each prompt, plain and (with an
-    intervention) changed, their paired difference; one JSON line, tables eval and eval_prompts in
-    ``--csv``."""
+def cmd_eval_prompts(args: argparse.Namespace, spec: dict, graph=None) -> int:
+    """``eval --prompts FILE [interventions] [--graph G]``: the next-token loss of each prompt, plain
+    and (with an intervention or a graph) changed, their paired difference; one JSON line, tables
+    eval and eval_prompts in ``--csv``."""
     from ..analyses.prompt_sets import loss_over_prompts, parse_prompts
     from ..runner import TraceRequest
     from ..tables import stage_tables
@@ -169,7 +169,7 @@ def cmd_eval_prompts(args: argparse.Namespace, spec: dict) -> int:
     if args.csv is not None:
         check_directory(args.csv)
     template = TraceRequest(prompt="-").check()
-    changed = (lambda request: dataclasses.replace(request, interventions=spec)) if spec else None
+    changed = (lambda request: dataclasses.replace(request, interventions=spec, graph=graph)) if spec or graph else None
     if changed is not None:
         changed(template).check()  # a malformed intervention, before the model loads
     prompts = read_set(args.prompts, parse_prompts)
@@ -190,5 +190,7 @@ def cmd_eval_prompts(args: argparse.Namespace, spec: dict) -> int:
         line[measure] = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
     if spec:
         line["interventions"] = spec
+    if graph is not None:
+        line["graph"] = graph.fingerprint()
     print(json.dumps(line, allow_nan=False))
     return 0

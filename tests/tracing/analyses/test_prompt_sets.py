@@ -188,6 +188,21 @@ def test_the_commands_refuse_a_bad_line_and_write_the_causal_tables(app_checkpoi
     assert "--prompts applies to --attribute --causal N" in capsys.readouterr().err
 
 
+def test_eval_over_prompts_compares_with_a_graph(app_checkpoint, tmp_path, capsys):
+    """docs/examples/mean_ablation.json as the change: each prompt's loss with block 1's attention
+    update replaced by its mean, paired with the plain loss; a graph does not run on eval's windows."""
+    graph = Path(__file__).resolve().parents[3] / "docs" / "examples" / "mean_ablation.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS), encoding="utf-8")
+    base = ["eval", "--checkpoint", app_checkpoint]
+    assert main([*base, "--prompts", str(prompts), "--graph", str(graph)]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["graph"] and line["difference"]["mean"] != 0 and line["difference"]["n"] == 2
+    assert line["nll_changed"]["mean"] == pytest.approx(line["nll"]["mean"] + line["difference"]["mean"])
+    assert main([*base, "--text-file", str(prompts), "--graph", str(graph)]) == 2
+    assert "--graph applies to --prompts" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # about 45 s on two shared cores: the figures docs/cli.md and docs/attribution.md give
 def test_the_docs_figures_on_the_demo(tmp_path, capsys):
     from tests.devcheckpoint import demo_available
