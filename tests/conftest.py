@@ -14,6 +14,24 @@ from model import TINY  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
 
+# The files that take longest (docs/testing.md), started first: pytest-xdist hands each worker a
+# whole file at a time in the order collected, and a long file begun last leaves the other worker idle.
+FIRST = (
+    "tests/app/test_browser.py",
+    "tests/tracing/test_server.py",
+    "tests/tracing/atlas/test_atlas.py",
+    "tests/model/test_real_width.py",
+    "tests/tracing/cli/test_cli.py",
+    "tests/tracing/test_plan.py",
+    "tests/app/test_app_server.py",
+    "tests/model/test_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {path: i for i, path in enumerate(FIRST)}
+    items.sort(key=lambda item: order.get(item.nodeid.split("::", 1)[0], len(order)))  # stable: a file keeps its order
+
 
 @pytest.fixture(autouse=True)
 def _seeded():
