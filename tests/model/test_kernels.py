@@ -315,9 +315,20 @@ def test_plain_switches_every_route_off(tiny_source):
         "m = load_model(SyntheticSource(TINY, seed=1)); m(torch.tensor([[1, 2, 3]])); "
         "print(json.dumps({'kept': len(weights._KEPT), **kernels.describe()}))"
     )
-    for setting in ("plain", "cpu", "fast"):
-        env = {"ANATOMY_KERNELS": setting, "PATH": "/usr/bin:/bin"}
-        out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout)
+    settings = ("plain", "cpu", "fast")
+    procs = [  # three fresh processes at once
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={"ANATOMY_KERNELS": setting, "PATH": "/usr/bin:/bin"},
+        )
+        for setting in settings
+    ]
+    for setting, proc in zip(settings, procs, strict=True):
+        printed, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, setting
+        out = json.loads(printed)
         if setting == "plain":
             assert out["kept"] == 0 and out["cpu_kernels"] == "plain PyTorch (ANATOMY_KERNELS=plain)"
         else:
