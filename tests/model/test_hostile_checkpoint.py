@@ -162,7 +162,7 @@ def test_the_nesting_scan_is_linear(unit, head, tail):
     """Eight times the text takes about eight times as long (a quadratic scan: 64 times), whatever else
     the machine is doing: the ratio, not a wall-clock limit."""
     small, large = (_scan_seconds(head + unit * n + tail) for n in (50_000, 400_000))
-    assert large < 24 * max(small, 1e-4)
+    assert large < 24 * max(small, 0.01)  # a floor: a scan of milliseconds is mostly noise
 
 
 def test_strings_with_brackets_are_not_nesting():
