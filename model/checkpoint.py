@@ -386,23 +386,46 @@ def expected_specs(args: ModelArgs, mtp: bool = False) -> dict[str, TensorSpec]:
     """Every checkpoint tensor the model needs (the MTP layer only with ``mtp``, and then with its
     copies of the embedding and head): name -> shape and the dtype the checkpoint stores it in (the
     module's, but bfloat16 for its family's names.FAMILIES stored_bf16). Counted once per config and
-    process, with the MTP layer (building the 671B on the meta device takes seconds), whose names
-    are the layers past the model's; each call gets its own dict."""
+    process, with the MTP layer, whose names are the layers past the model's; each call gets its
+    own dict."""
     specs = _specs(args)
     return {n: s for n, s in specs.items() if mtp or (layer_of(n) or 0) < args.n_layers}
 
 
 @functools.lru_cache(maxsize=8)
 def _specs(args: ModelArgs) -> dict[str, TensorSpec]:
+    """The MoE blocks after the first are alike, so the model is built on the meta device to its
+    first MoE block, whose tensors stand for every later block's (building the 671B whole takes
+    seconds); :func:`built_specs` is the same list from the whole model."""
+    depth = min(args.n_dense_layers + 1, args.n_layers)
+    return built_specs(args, depth)
+
+
+def built_specs(args: ModelArgs, depth: int | None = None) -> dict[str, TensorSpec]:
+    """The checkpoint's tensors (with the MTP layer) of the model built to its first ``depth`` blocks
+    (all by default), block ``depth - 1``'s standing for each block after it, in the model's order."""
+    depth = args.n_layers if depth is None else depth
     with torch.device("meta"):
-        model = transformer_class(args)(args, mtp=True)
-    specs = {
-        to_hf(name, args.n_layers): TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype, args.model_type))
-        for name, p in model.named_parameters()
-    }
+        model = transformer_class(args)(args.replace(n_layers=depth, n_dense_layers=min(args.n_dense_layers, depth)), mtp=True)
+    last = f"layers.{depth - 1}."
+    specs, repeated = {}, []
+    for name, p in [*model.named_parameters(), ("", None)]:  # a sentinel ends the repeated block
+        if name.startswith(last):
+            repeated.append((name.removeprefix(last), p))
+            continue
+        for i in range(depth - 1, args.n_layers) if repeated else ():
+            for rest, q in repeated:
+                specs[to_hf(f"layers.{i}.{rest}", args.n_layers)] = _spec(f"layers.{i}.{rest}", q, args)
+        repeated.clear()
+        if p is not None:
+            specs[to_hf(name, args.n_layers)] = _spec(name, p, args)
     for name in mtp_copies(model):
         specs[to_hf(name, args.n_layers)] = specs[to_hf(name.split(".", 2)[2])]
     return specs
+
+
+def _spec(name: str, p: torch.Tensor, args: ModelArgs) -> TensorSpec:
+    return TensorSpec(tuple(p.shape), stored_dtype(name, p.dtype, args.model_type))
 
 
 def mtp_copies(model: nn.Module) -> list[str]:

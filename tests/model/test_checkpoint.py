@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import TINY
-from model.checkpoint import CheckpointError, SafetensorsSource, expected_specs, load_model, save_checkpoint
+from model.checkpoint import CheckpointError, SafetensorsSource, built_specs, expected_specs, load_model, save_checkpoint
 from model.config import ModelArgs
 from model.names import to_hf
-from model.synthetic import SyntheticSource
+from model.synthetic import SyntheticSource, v3_layout
 
 REAL_NAMES = Path(__file__).resolve().parents[2] / "assets" / "configs" / "real_weight_names.txt.gz"
 NORMS = ("layernorm.weight", "model.norm.weight", "k_norm.weight", "k_norm.bias")  # float32 in the checkpoint
@@ -53,6 +53,21 @@ def test_names_shapes_and_dtypes_match_the_real_671b_checkpoint():
     assert specs["lm_head.weight"].dtype == torch.bfloat16
     norms = [n for n in specs if n.endswith(NORMS)]
     assert len(norms) == 61 * 6 + 1 and all(specs[n].dtype == torch.float32 for n in norms)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [TINY.replace(n_layers=5, n_mtp_layers=1), v3_layout(TINY.replace(n_layers=5, n_dense_layers=2, n_mtp_layers=1))],
+    ids=["v3.2 with MTP", "v3 layout"],
+)
+def test_the_specs_from_the_first_moe_block_are_the_whole_models(args):
+    """expected_specs builds the model to its first MoE block and repeats that block's tensors for
+    the later ones: the same names, shapes, dtypes and order as the model built whole."""
+    whole = built_specs(args)
+    for mtp in (True, False):
+        got = expected_specs(args, mtp=mtp)
+        want = {n: s for n, s in whole.items() if mtp or not n.startswith(f"model.layers.{args.n_layers}.")}
+        assert list(got.items()) == list(want.items())
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:
