@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tracing.startup import load_torch
 
 load_torch()  # first: torch's idle OpenMP threads sleep, as under the command line and the app (tracing.startup)
@@ -13,6 +15,12 @@ import torch  # noqa: E402
 from model import TINY  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.synthetic import SyntheticSource  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers share the cores: one torch thread each in the main thread, so that no parallel
+    # region waits on a thread another worker's process holds (a test that needs more sets its
+    # own, tests/model/test_threads.py; the values do not depend on the count)
+    torch.set_num_threads(1)
 
 # The files that take longest (docs/testing.md), started first: pytest-xdist hands each worker a
 # whole file at a time in the order collected, and a long file begun last leaves the other worker idle.

@@ -153,7 +153,6 @@ def test_trace_a_prompt_in_the_browser(chromium, server):
         page.locator('[data-testid="stMain"] .katex-display').nth(1).wait_for()  # at least two equations
         page.locator('[data-testid="stCode"]', has_text="def forward").first.wait_for()
         page.set_viewport_size({"width": 1440, "height": 2400})  # the app scrolls inside: show more of it
-        page.wait_for_timeout(1500)  # let plotly redraw at the new size before the picture
         page.screenshot(path=str(ARTIFACTS / "app.png"))
         page.set_viewport_size({"width": 1440, "height": 1000})
 
@@ -199,7 +198,6 @@ def test_generate_in_the_browser(chromium, server):
             main.get_by_text(title, exact=False).first.wait_for()
         main.locator(".js-plotly-plot .main-svg").nth(1).wait_for()  # both plots of the last tab
         page.set_viewport_size({"width": 1440, "height": 2400})
-        page.wait_for_timeout(1500)
         page.screenshot(path=str(ARTIFACTS / "generation.png"))
 
 
@@ -217,7 +215,6 @@ def test_attribution_in_the_browser(chromium, server):
         page.get_by_role("button", name="Compute the contribution graph").click()
         main.get_by_text("Contribution graph into position", exact=False).first.wait_for()
         page.set_viewport_size({"width": 1440, "height": 3000})
-        page.wait_for_timeout(1500)
         page.screenshot(path=str(ARTIFACTS / "attribution.png"))
 
 
