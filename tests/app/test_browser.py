@@ -290,6 +290,9 @@ def test_every_figure_fits_its_margins(chromium, tmp_path_factory, monkeypatch):
     assert not grown, grown
 
 
+# slow: a model server and a second app (35 s under the suite); the app on a server is
+# tests/app/test_app_server.py's, the browser's the other tests here
+@pytest.mark.slow
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
 def test_trace_on_a_model_server_in_the_browser(chromium, tmp_path_factory):
     """With ANATOMY_SERVER set the app opens on the model server: the sidebar names it, a prompt traced

@@ -54,17 +54,19 @@ def one_line(message: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", list(EXPECTED))
 def test_the_client_answers_a_hostile_server_with_one_line_and_bounded_memory(server, mode):
     server.mode = mode
+    # the short timeout where the server drips; elsewhere one a busy machine's server thread meets
+    timeout = READ_TIMEOUT if mode.startswith("drip") else 5.0
     tracemalloc.start()
     started = time.monotonic()
     try:
-        with pytest.raises(ServerError) as caught, Client(server.url, read_timeout=READ_TIMEOUT) as client:
+        with pytest.raises(ServerError) as caught, Client(server.url, read_timeout=timeout) as client:
             client.trace(token_ids=[1, 2, 3])
         seconds = time.monotonic() - started
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     one_line(str(caught.value), mode)
-    assert seconds < READ_TIMEOUT + 2, seconds
+    assert seconds < timeout + 2, seconds
     assert peak < 8 * 2**20, peak  # the caps' bytes, not the server's 20 or 200 MB
     if mode in SENT_IN_FULL:
         assert server.sent < SENT_IN_FULL[mode] / 2, server.sent  # it stopped reading: the server could not send it all

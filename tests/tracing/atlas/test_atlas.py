@@ -313,6 +313,7 @@ def test_two_ranks_give_the_atlas_of_one_process(atlas_dir, tmp_path):
     assert_same_atlas(tmp_path / "model", atlas_dir, exact=False)
 
 
+@pytest.mark.slow  # four processes on two cores (15-20 s); its two halves are the two-rank test's
 def test_four_ranks_split_the_model_in_two_and_share_the_batches_between_the_halves(atlas_dir, tmp_path):
     """The 2-D layout of several nodes, on 4 CPU ranks: the model split over each pair of ranks (a
     node's GPUs), the batches shared between the pairs (the nodes): the atlas of one process."""
