@@ -25,7 +25,7 @@ def swept(model, clean, corrupt, **options):
 
 @pytest.fixture(scope="module")
 def before_and_at(tiny_model):
-    return swept(tiny_model, CLEAN, CORRUPT, positions="4:7")
+    return swept(tiny_model, CLEAN, CORRUPT, positions="5:7")  # one position before the difference, and its own
 
 
 def test_patching_before_the_first_differing_position_changes_nothing(before_and_at):
