@@ -5,11 +5,12 @@ bootstrap interval. The file is read and every line checked before any model loa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..analyses import bootstrap
 from ..errors import InputError
@@ -47,16 +48,23 @@ def read_set(path: str, parse: Callable[[bytes, str], list]) -> list:
     return parse(data, str(path))
 
 
-def progress(what: str, count: int) -> tuple[Callable[[int, int], None], ProgressBar]:
-    """The project's progress bar over a set's items (``on_item(i, n)`` before item i)."""
+@contextlib.contextmanager
+def over_set(args: argparse.Namespace, what: str, count: int) -> Iterator[tuple[Callable, object, Callable[[int, int], None]]]:
+    """The model to run a set's items on (loaded here or a server's: patching._runner) and the
+    project's progress bar over them: yields (run, tokenizer, on_item(i, n) before item i). The bar
+    ends at done when the work does; the bar and the model are closed either way."""
+    from .patching import _runner
+
     unit = "pairs" if what == "patching" else "prompts"
+    run, tokenizer, close = _runner(args, True)
     bar = ProgressBar(count, enabled=sys.stderr.isatty())
     print(f"{what}: {count} {unit}", file=sys.stderr)
-    return (lambda i, n: bar.update(i, unit)), bar
-
-
-def _finished(bar: ProgressBar) -> None:
-    bar.update(bar.total, "done")
+    try:
+        yield run, tokenizer, lambda i, n: bar.update(i, unit)
+        bar.update(bar.total, "done")
+    finally:
+        bar.close()
+        close()
 
 
 def interval(row) -> str:
@@ -72,7 +80,7 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     from ..runner import token_id
     from ..tables import to_csv_bytes
     from .output import Outputs, check_directory
-    from .patching import FILES, PAIR_FILES, _runner
+    from .patching import FILES, PAIR_FILES
 
     given = [f"--{flag}" for flag in ("clean", "clean_ids", "corrupt", "corrupt_ids") if getattr(args, flag) is not None]
     if given:
@@ -82,9 +90,7 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     check_directory(args.out)
     parse_sites(args.sites)
     pairs = read_set(args.pairs, parse_pairs)
-    run, tokenizer, close = _runner(args, True)
-    on_pair, bar = progress("patching", len(pairs))
-    try:
+    with over_set(args, "patching", len(pairs)) as (run, tokenizer, on_pair):
         result = patching_over_pairs(
             run,
             pairs,
@@ -100,10 +106,6 @@ def cmd_pairs(args: argparse.Namespace) -> int:
             token_id=lambda flag, value: token_id(flag, value, tokenizer),
             method=args.method,
         )
-        _finished(bar)
-    finally:
-        bar.close()
-        close()
     with Outputs() as out:  # the tables and the summary land together or not at all
         folder = out.directory(args.out, stale=FILES | PAIR_FILES)
         for name, frame in (("patching_mean", result.table), ("patching_pairs", result.each)):
@@ -126,7 +128,6 @@ def cmd_causal_prompts(args: argparse.Namespace, template) -> int:
     from ..analyses.prompt_sets import causal_over_prompts, parse_prompts
     from ..tables import stage_tables
     from .output import Outputs, check_directory
-    from .patching import _runner
 
     if args.out is not None:
         raise InputError("--out names one trace: with --prompts the tables go to --csv DIR")
@@ -134,16 +135,10 @@ def cmd_causal_prompts(args: argparse.Namespace, template) -> int:
         raise InputError("--prompts needs --csv DIR: the tables causal, causal_summary and causal_parts go there")
     check_directory(args.csv)
     prompts = read_set(args.prompts, parse_prompts)
-    run, _, close = _runner(args, True)
-    on_prompt, bar = progress("causal check", len(prompts))
-    try:
+    with over_set(args, "causal check", len(prompts)) as (run, _, on_prompt):
         result = causal_over_prompts(
             run, prompts, template, args.causal, on_prompt, resamples=args.resamples, seed=args.bootstrap_seed
         )
-        _finished(bar)
-    finally:
-        bar.close()
-        close()
     frames = {"causal": result.each, "causal_summary": result.table, "causal_parts": result.parts}
     with Outputs() as out:
         stage_tables(out, frames, args.csv, parquet=args.parquet)
@@ -164,7 +159,6 @@ def cmd_eval_prompts(args: argparse.Namespace, spec: dict, graph=None) -> int:
     from ..runner import TraceRequest
     from ..tables import stage_tables
     from .output import Outputs, check_directory
-    from .patching import _runner
 
     if args.csv is not None:
         check_directory(args.csv)
@@ -173,14 +167,8 @@ def cmd_eval_prompts(args: argparse.Namespace, spec: dict, graph=None) -> int:
     if changed is not None:
         changed(template).check()  # a malformed intervention, before the model loads
     prompts = read_set(args.prompts, parse_prompts)
-    run, _, close = _runner(args, True)
-    on_prompt, bar = progress("eval", len(prompts))
-    try:
+    with over_set(args, "eval", len(prompts)) as (run, _, on_prompt):
         result = loss_over_prompts(run, prompts, template, changed, on_prompt, args.resamples, args.bootstrap_seed)
-        _finished(bar)
-    finally:
-        bar.close()
-        close()
     if args.csv is not None:
         with Outputs() as out:
             stage_tables(out, {"eval": result.table, "eval_prompts": result.each}, args.csv, parquet=args.parquet)
