@@ -41,7 +41,7 @@ from .. import fp8
 from ..fp8 import BLOCK, FP8, Rounded
 from . import weights
 
-PARTIALS_BYTES = 256 << 20  # bound on one chunk's float32 block partials (and their scales)
+PARTIALS_BYTES = 64 << 20  # bound on one chunk's float32 block partials (as much again for their scales)
 _OPERAND = torch.bfloat16  # exact for FP8 codes, and for their values times power-of-two scales
 
 
