@@ -111,6 +111,12 @@ def copy_bytes() -> tuple[int, int]:
         return _BUDGET.held, _BUDGET.limit
 
 
+def budgeted(weight: torch.Tensor) -> bool:
+    """Whether copies of ``weight`` count against the budget: a device's (the CPU's host memory is
+    the CPU routes' to keep, as kernels.fp8 keeps its copies)."""
+    return weight.device.type != "cpu"
+
+
 def _kept(weight: torch.Tensor, key: Hashable, make: Callable[[], torch.Tensor], depends=(), keep: bool = True) -> torch.Tensor:
     """``make()``, kept with ``weight`` where copies of it may be kept: on the CPU always (the tests'
     device), elsewhere while the budget holds it."""
@@ -120,7 +126,7 @@ def _kept(weight: torch.Tensor, key: Hashable, make: Callable[[], torch.Tensor],
     if value is not weights.MISSING:
         return value
     value = make()
-    if weight.device.type == "cpu":
+    if not budgeted(weight):
         weights.put(weight, key, value, depends)
         return value
     with _BUDGET.lock:

@@ -2,50 +2,39 @@
 synchronisation per product once a weight's scales are judged."""
 
 import contextlib
+import gc
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import fp8, kernels
 from model.kernels import cuda, weights
 
 from .test_kernels import same
 
-# ops that read a tensor's value on the host: on a GPU each waits for the device
-_READS = {"_local_scalar_dense", "is_nonzero", "item", "equal", "allclose"}
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the host reads of tensor values under it (dispatched ops, and Tensor.tolist, which
-    is not dispatched)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in _READS:
-            self.seen.append(name)
-        return func(*args, **kwargs or {})
+# what reads tensor values on the host, or sizes its output from them: on a GPU each waits for it
+_METHODS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero", "unique")
+_FUNCTIONS = ("equal", "allclose", "nonzero", "masked_select", "unique")
 
 
 @contextlib.contextmanager
 def host_reads():
-    mode = HostReads()
-    tolist = torch.Tensor.tolist
+    """The host reads of tensor values made under it, by name (every Python-level way to one)."""
+    seen: list[str] = []
 
-    def counted(self):
-        mode.seen.append("tolist")
-        return tolist(self)
+    def counted(original, name):
+        def read(*args, **kwargs):
+            seen.append(name)
+            return original(*args, **kwargs)
 
-    torch.Tensor.tolist = counted
-    try:
-        with mode:
-            yield mode.seen
-    finally:
-        torch.Tensor.tolist = tolist
+        return read
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in _METHODS:
+            mp.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name), name))
+        for name in _FUNCTIONS:
+            mp.setattr(torch, name, counted(getattr(torch, name), f"torch.{name}"))
+        yield seen
 
 
 FORMS = {  # (weight scales, activation scales)
@@ -65,18 +54,20 @@ def test_route_gives_the_plain_functions_bits(form, monkeypatch):
     gen = torch.Generator().manual_seed(len(form))
     w, s = fp8.weight_quant(torch.randn(576, 384, generator=gen) * 0.05, wfmt)
     assert cuda.pow2_scales(s) == (wfmt is not None)
-    for bound in (cuda.PARTIALS_BYTES, 3 * 576 * 4 * 2 * 5):  # the second: 5 rows per chunk at most
-        monkeypatch.setattr(cuda, "PARTIALS_BYTES", bound)
-        for rows in (1, 3, 17, 200):
-            x = torch.randn(rows, 384, generator=gen)
-            r = fp8.Rounded.of(x, fmt)
-            assert same(cuda.kernel_order(r, w, s), fp8.blockwise(r.codes, r.scale, w.float(), s))
-            for dtype in (torch.bfloat16, torch.float32):
-                xd = x.to(dtype)
+    for rows in (1, 3, 17, 200):
+        x = torch.randn(rows, 384, generator=gen)
+        r = fp8.Rounded.of(x, fmt)
+        want = fp8.blockwise(r.codes, r.scale, w.float(), s)
+        assert same(cuda.kernel_order(r, w, s), want)
+        with monkeypatch.context() as mp:  # 5 rows per chunk at most
+            mp.setattr(cuda, "PARTIALS_BYTES", 3 * 576 * 4 * 2 * 5)
+            assert same(cuda.kernel_order(r, w, s), want)
+        for dtype in (torch.bfloat16, torch.float32):
+            xd = x.to(dtype)
+            assert same(cuda.fp8_gemm(xd, w, s, fmt), fp8.fp8_gemm(xd, w, s, fmt))
+            assert same(cuda.unrounded_gemm(xd, w, s), fp8.unrounded_gemm(xd, w, s))
+            with fp8.inexact_sums():
                 assert same(cuda.fp8_gemm(xd, w, s, fmt), fp8.fp8_gemm(xd, w, s, fmt))
-                assert same(cuda.unrounded_gemm(xd, w, s), fp8.unrounded_gemm(xd, w, s))
-                with fp8.inexact_sums():
-                    assert same(cuda.fp8_gemm(xd, w, s, fmt), fp8.fp8_gemm(xd, w, s, fmt))
     x = torch.randn(2, 5, 384, generator=gen).bfloat16()  # leading dimensions kept
     assert same(cuda.fp8_gemm(x, w, s, fmt), fp8.fp8_gemm(x, w, s, fmt))
     for dtype in (torch.bfloat16, torch.float32):
@@ -111,7 +102,7 @@ def test_no_host_read_per_product_once_the_scales_are_judged():
         x = torch.randn(4, 256, generator=gen).bfloat16()
         with host_reads() as seen:
             cuda.fp8_gemm(x, w, s, fmt)
-        assert seen == ["_local_scalar_dense"]  # fp8.is_pow2's bool(), once: the counter sees a synchronisation
+        assert seen == ["__bool__"]  # fp8.is_pow2's bool(), once: the counter sees a synchronisation
         with host_reads() as seen:
             for _ in range(2):
                 cuda.fp8_gemm(x, w, s, fmt)
@@ -128,6 +119,12 @@ def test_no_host_read_per_product_once_the_scales_are_judged():
     assert [cuda.pow2_scales(e) for e in experts] == [True, False] * 3
     experts[0].mul_(3.0)  # changed in place: judged again
     assert not cuda.pow2_scales(experts[0])
+    host = fp8.weight_quant(torch.randn(128, 256, generator=gen) * 0.05, "ue8m0")[1]
+    loaded = host.clone()  # a device's copy, as a loader makes it
+    cuda.decide_from_host(loaded, host)
+    with host_reads() as seen:
+        assert cuda.pow2_scales(loaded)
+    assert seen == []  # answered from the host copy
 
 
 def test_copies_on_a_device_stay_within_their_budget():
@@ -143,18 +140,16 @@ def test_copies_on_a_device_stay_within_their_budget():
     budget = cuda.copy_bytes()[1]
     try:
         cuda.set_copy_budget(256 * 256 * 2)  # room for one copy
-        meta = [(torch.empty(256, 256, dtype=fp8.FP8, device="meta"), torch.empty(2, 2, device="meta")) for _ in range(2)]
-        with pytest.MonkeyPatch.context() as mp:  # the meta device standing for a GPU: copies counted, no values
-            mp.setattr(weights, "_DEVICES", ("cpu", "meta"))
+        two = [fp8.weight_quant(torch.randn(256, 256) * 0.05, "ue8m0") for _ in range(2)]
+        with pytest.MonkeyPatch.context() as mp:  # these CPU weights counted as a device's
+            mp.setattr(cuda, "budgeted", lambda weight: True)
             held = cuda.copy_bytes()[0]
-            for mw, ms in meta:
-                cuda.weight_dequant(mw, ms, torch.bfloat16)
+            for dw, ds in two:
+                cuda.weight_dequant(dw, ds, torch.bfloat16)
             assert cuda.copy_bytes()[0] == held + 256 * 256 * 2  # the first kept, the second not: over budget
-            assert weights.get(meta[0][0], ("dequantized", torch.bfloat16), (meta[0][1],)) is not weights.MISSING
-            assert weights.get(meta[1][0], ("dequantized", torch.bfloat16), (meta[1][1],)) is weights.MISSING
-            del meta, mw, ms
-            import gc
-
+            assert weights.get(two[0][0], ("dequantized", torch.bfloat16), (two[0][1],)) is not weights.MISSING
+            assert weights.get(two[1][0], ("dequantized", torch.bfloat16), (two[1][1],)) is weights.MISSING
+            del two, dw, ds
             gc.collect()
             assert cuda.copy_bytes()[0] == held  # given back with the weight
         with pytest.raises(ValueError, match="budget"):
