@@ -560,14 +560,13 @@ def kernels_phase(check: Check, result: dict) -> None:
     rows = (1, 64, 512) if gpu else (1, 17)
     budget = cuda.copy_bytes()[1]
     products = []
-    gen = torch.Generator().manual_seed(check.opts.seed)
+    gen = torch.Generator(device).manual_seed(check.opts.seed)  # drawn where they are used: 16 CPU cores are slow at it
     try:  # the copies' budget set for each measurement, given back after
         for (n, k), fmt in ((shape, fmt) for shape in shapes for fmt in ("ue8m0", None)):
             check.timeout()
-            w, s = fp8.weight_quant(torch.randn(n, k, generator=gen) * 0.02, fmt)
-            w, s = w.to(device), s.to(device)
+            w, s = fp8.weight_quant(torch.randn(n, k, generator=gen, device=device) * 0.02, fmt)
             for m in rows:
-                x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
                 row = {"n": n, "k": k, "rows": m, "scales": fmt or "amax/448", **time_products(x, w, s, fmt)}
                 products.append(row)
                 if row["max_rel"] > 1e-2 or not gpu and row["equal_share"] != 1.0:
