@@ -1,4 +1,5 @@
-"""The CPU backend: faster routes to the values of the plain functions the model calls.
+"""The backend: faster routes to the values of the plain functions the model calls (the CPU's, and a
+CUDA device's for the FP8 functions).
 
 The model computes the reference's forward in plain PyTorch (model/fp8.py holds the reference's
 kernels that way) and reaches a product, an FP8 rounding or a top-k only through the functions

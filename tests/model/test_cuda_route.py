@@ -59,9 +59,10 @@ def test_route_gives_the_plain_functions_bits(form, monkeypatch):
         r = fp8.Rounded.of(x, fmt)
         want = fp8.blockwise(r.codes, r.scale, w.float(), s)
         assert same(cuda.kernel_order(r, w, s), want)
-        with monkeypatch.context() as mp:  # 5 rows per chunk at most
+        with monkeypatch.context() as mp:  # 5 rows per chunk at most; weights dequantised 128 rows at a time
             mp.setattr(cuda, "PARTIALS_BYTES", 3 * 576 * 4 * 2 * 5)
             assert same(cuda.kernel_order(r, w, s), want)
+            assert same(cuda.dequantize(w, s, torch.bfloat16), fp8.weight_dequant(w, s, torch.bfloat16))
         for dtype in (torch.bfloat16, torch.float32):
             xd = x.to(dtype)
             assert same(cuda.fp8_gemm(xd, w, s, fmt), fp8.fp8_gemm(xd, w, s, fmt))
