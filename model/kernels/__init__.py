@@ -194,7 +194,7 @@ def experts(modules, x: torch.Tensor | plain_fp8.Rounded, tokens: torch.Tensor, 
         return None
     route = _fp8_route(tokens)
     if route is _cuda:
-        _cuda.decide(_cuda.experts_scales(modules))
+        _cuda.decide(_cuda.experts_scales(modules, counts))
     return _moe.experts(modules, x, tokens, counts, dtype) if route is _fp8 else None
 
 

@@ -310,6 +310,8 @@ def _batched_in_order(threads: int) -> bool:
     return True
 
 
-def experts_scales(modules) -> list[torch.Tensor]:
-    """The FP8 scales of a MoE block's experts held here (for :func:`decide`)."""
-    return [lin.scale for e in modules if e is not None for lin in (e.w1, e.w3, e.w2) if lin.scale is not None]
+def experts_scales(modules, counts: Sequence[int]) -> list[torch.Tensor]:
+    """The FP8 scales of the MoE block's experts held here that have rows (``counts``) in this pass
+    (for :func:`decide`)."""
+    chosen = (e for e, c in zip(modules, counts, strict=True) if c and e is not None)
+    return [lin.scale for e in chosen for lin in (e.w1, e.w3, e.w2) if lin.scale is not None]
