@@ -182,8 +182,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         s = scale[start // BLOCK : -(-stop // BLOCK)].repeat_interleave(BLOCK, 0)[: stop - start]  # (rows, K/128)
-        w = weight[start:stop].to(form).view(stop - start, k // BLOCK, BLOCK)
-        out[start:stop] = (w * s.to(form).unsqueeze(-1)).view(stop - start, k)
+        w = weight[start:stop].to(form).reshape(stop - start, k // BLOCK, BLOCK)
+        out[start:stop] = (w * s.to(form).unsqueeze(-1)).reshape(stop - start, k)
     return out
 
 
@@ -233,7 +233,7 @@ def kernel_order(r: Rounded, weight: torch.Tensor, scale: torch.Tensor) -> torch
         b = _kept(weight, ("codes", _OPERAND), lambda: weight.to(_OPERAND))  # (N, K): the codes, exact
         a = r.codes
         scaled = (r.scale, scale.repeat_interleave(BLOCK, 0)[:n].t())  # (M, K/128), (K/128, N)
-    b = _operand(b.view(n, kb, BLOCK).permute(1, 2, 0))  # (K/128, 128, N)
+    b = _operand(b.reshape(n, kb, BLOCK).permute(1, 2, 0))  # (K/128, 128, N)
     out = torch.zeros(m, n, dtype=torch.float32, device=r.codes.device)
     per_row = kb * n * 4 * (1 if scaled is None else 2)  # a row's partials, and their scales
     rows = max(1, PARTIALS_BYTES // per_row)
