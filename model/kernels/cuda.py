@@ -2,7 +2,7 @@
 of rows, no float32 copy of a weight, and no host synchronisation per product.
 
 The plain ``fp8_gemm`` widens the whole weight to float32 for every product and issues a product,
-a scale product and an add per 128-wide block of K (three launches per block, a Python loop). The
+a scale product and an add per 128-wide block of K (a Python loop of several launches each). The
 shortcut of power-of-two scales (the dequantised operands' partials are the scaled ones) needs to
 know the weight's scales are such: asking (``fp8.is_pow2``) copies a flag to the host, which waits
 for the GPU. Here:
