@@ -109,7 +109,7 @@ def remember(t: torch.Tensor, key: Hashable, value) -> None:
     """Keep ``value`` as what :func:`decided` gives for ``t`` under ``key`` (decided elsewhere: a
     batch of tensors at once, or from the host copy a device tensor was made from)."""
     with _LOCK:
-        known = _KEPT.get(t)
-        if known is None:
-            known = _KEPT[t] = {}
-        known[key] = ((_stamp(t),), value)
+        facts = _KEPT.get(t)
+        if facts is None:
+            facts = _KEPT[t] = {}
+        facts[key] = ((_stamp(t),), value)
