@@ -567,11 +567,12 @@ def kernels_phase(check: Check, result: dict) -> None:
     shapes = [(576, 7168), (2048, 7168), (7168, 2048), (7168, 18432)] if gpu else [(576, 1024), (256, 512)]
     rows = (1, 64, 512) if gpu else (1, 17)
     budget = cuda.copy_bytes()[1]
-    products = []
+    products: list[dict] = []
+    result["products"] = products  # kept as they come: a phase out of time keeps what it measured
     gen = torch.Generator(device).manual_seed(check.opts.seed)  # drawn where they are used: 16 CPU cores are slow at it
     try:  # the copies' budget set for each measurement, given back after
         for (n, k), fmt in ((shape, fmt) for shape in shapes for fmt in ("ue8m0", None)):
-            check.timeout()
+            check.timeout(reserve=check.opts.reserve_s)
             w, s = fp8.weight_quant(torch.randn(n, k, generator=gen, device=device) * 0.02, fmt)
             for m in rows:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
@@ -584,14 +585,13 @@ def kernels_phase(check: Check, result: dict) -> None:
                     problems.append(f"weight_dequant {n}x{k} {fmt} {dtype}: not the plain function's values")
     finally:
         cuda.set_copy_budget(budget)
-    result["products"] = products
     result["products_equal_share"] = round(sum(p["equal_share"] for p in products) / max(len(products), 1), 6)
     result["products_max_rel"] = max((p["max_rel"] for p in products), default=0.0)
     if not gpu:
         result["forward"] = "not on the CPU: the dispatcher takes the CUDA route for CUDA tensors only"
         result["problems"] = problems
         return
-    check.timeout()
+    check.timeout(reserve=check.opts.reserve_s)
     ids = token_ids(32, TINY.vocab_size, check.opts.seed)
     traces, syncs = {}, {}
     for fmt in ("ue8m0", None):
