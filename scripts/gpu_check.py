@@ -19,7 +19,14 @@ phase that no longer fits in the budget is skipped and says so.
 4. ``plan``: ``python -m tracing plan --ranks 1 --device-memory <free> --tokens T --json`` against
    the measured peak of the same traced prefill in this process (``torch.cuda.max_memory_allocated``
    on a GPU; on the CPU the allocations tracing.plan.Allocations counts, with the weights held).
-5. ``cpu_compare``: phase 2's prompt on the CPU (streamed): how many selections differ from the
+5. ``kernels``: the CUDA route of the FP8 products (model/kernels/cuda.py) against the plain
+   functions of model/fp8.py on this device, at real widths (bit-equal share, largest difference,
+   milliseconds each way), and the tiny model traced both ways with
+   ``torch.cuda.set_sync_debug_mode("warn")``: the host synchronisations of each way's second run
+   (the first judges every weight's scales once), and how many recorded values and selections
+   differ. On the CPU the products are compared at small widths (bit for bit expected there) and
+   the traced forward is left out (the dispatcher takes the CUDA route for CUDA tensors only).
+6. ``cpu_compare``: phase 2's prompt on the CPU (streamed): how many selections differ from the
    GPU's. Reported, not failed: a GPU sums float32 products in cuBLAS's order, not the CPU's. Last,
    because on the node's 16 cores it is the slowest phase; it gets what is left of the budget.
 
@@ -39,6 +46,7 @@ Writes one JSON object to ``--out`` (rewritten after every phase): ``ok``, ``bud
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -495,6 +503,128 @@ def plan_phase(check: Check, result: dict) -> None:
         result["problems"] = [f"the plan says {predicted / GB:.2f} GB, the run peaked at {measured / GB:.2f} GB (over 20% apart)"]
 
 
+def product_comparison(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How far two results are apart: the share of values equal bit for bit, the largest absolute
+    difference, and that over the largest magnitude."""
+    a, b = a.float(), b.float()
+    diff = float((a - b).abs().max())
+    equal = round(float((a == b).float().mean()), 6)
+    return {"equal_share": equal, "max_abs_diff": diff, "max_rel": diff / max(float(b.abs().max()), 1e-30)}
+
+
+def milliseconds(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of ``fn`` (after one warm-up call), synchronised on a GPU."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return round(sorted(times)[len(times) // 2], 3)
+
+
+def time_products(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, fmt: str | None) -> dict:
+    """model.kernels.cuda's fp8_gemm against model.fp8's on one input: how far apart, and the
+    milliseconds of each (the route with its weight copy made per product, and kept)."""
+    from model import fp8
+    from model.kernels import cuda
+
+    unkept, kept = w.detach(), w.detach()  # tensors of their own: no copy kept with either yet
+    cuda.set_copy_budget(0)
+    row = product_comparison(cuda.fp8_gemm(x, unkept, s, fmt), fp8.fp8_gemm(x, w, s, fmt))
+    if x.device.type == "cuda":  # what one product allocates beyond what is held: the plain one widens the weight
+        for way, product in (("plain", fp8.fp8_gemm), ("route", cuda.fp8_gemm)):
+            torch.cuda.synchronize(x.device)
+            held = torch.cuda.memory_allocated(x.device)
+            torch.cuda.reset_peak_memory_stats(x.device)
+            product(x, unkept, s, fmt)
+            row[f"{way}_extra_mb"] = round((torch.cuda.max_memory_allocated(x.device) - held) / 2**20, 1)
+    row["plain_ms"] = milliseconds(lambda: fp8.fp8_gemm(x, w, s, fmt), x.device)
+    row["route_ms"] = milliseconds(lambda: cuda.fp8_gemm(x, unkept, s, fmt), x.device)
+    cuda.set_copy_budget(1 << 40)
+    row["route_kept_ms"] = milliseconds(lambda: cuda.fp8_gemm(x, kept, s, fmt), x.device)
+    return row
+
+
+def kernels_phase(check: Check, result: dict) -> None:
+    import warnings
+
+    from model import TINY, fp8
+    from model import kernels as routes
+    from model.checkpoint import load_model
+    from model.kernels import cuda
+    from model.synthetic import SyntheticSource
+    from tracing.runner import trace_tokens
+
+    device = torch.device(check.opts.device)
+    gpu = device.type == "cuda"
+    problems: list[str] = []
+    # (N, K) of the 671B's weights (kv_a_proj_with_mqa, an expert's w1 and w2, a dense w2); small on the CPU
+    shapes = [(576, 7168), (2048, 7168), (7168, 2048), (7168, 18432)] if gpu else [(576, 1024), (256, 512)]
+    rows = (1, 64, 512) if gpu else (1, 17)
+    budget = cuda.copy_bytes()[1]
+    products: list[dict] = []
+    result["products"] = products  # kept as they come: a phase out of time keeps what it measured
+    gen = torch.Generator(device).manual_seed(check.opts.seed)  # drawn where they are used: 16 CPU cores are slow at it
+    try:  # the copies' budget set for each measurement, given back after
+        for (n, k), fmt in ((shape, fmt) for shape in shapes for fmt in ("ue8m0", None)):
+            check.timeout(reserve=check.opts.reserve_s)
+            w, s = fp8.weight_quant(torch.randn(n, k, generator=gen, device=device) * 0.02, fmt)
+            for m in rows:
+                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+                row = {"n": n, "k": k, "rows": m, "scales": fmt or "amax/448", **time_products(x, w, s, fmt)}
+                products.append(row)
+                if row["max_rel"] > 1e-2 or not gpu and row["equal_share"] != 1.0:
+                    problems.append(f"fp8_gemm {n}x{k}, {m} rows, {row['scales']}: {row}")
+            for dtype in (torch.bfloat16, torch.float32):
+                if not torch.equal(cuda.dequantize(w, s, dtype), fp8.weight_dequant(w, s, dtype)):
+                    problems.append(f"weight_dequant {n}x{k} {fmt} {dtype}: not the plain function's values")
+    finally:
+        cuda.set_copy_budget(budget)
+    result["products_equal_share"] = round(sum(p["equal_share"] for p in products) / max(len(products), 1), 6)
+    result["products_max_rel"] = max((p["max_rel"] for p in products), default=0.0)
+    if not gpu:
+        result["forward"] = "not on the CPU: the dispatcher takes the CUDA route for CUDA tensors only"
+        result["problems"] = problems
+        return
+    check.timeout(reserve=check.opts.reserve_s)
+    ids = token_ids(32, TINY.vocab_size, check.opts.seed)
+    traces, syncs = {}, {}
+    for fmt in ("ue8m0", None):
+        model = load_model(SyntheticSource(TINY.replace(scale_fmt=fmt), seed=1), device=device)
+        for way, context in (("plain", routes.plain), ("route", contextlib.nullcontext)):
+            counts = []
+            for _ in range(2):  # the first run judges each weight's scales once; the second is every later run
+                with context(), warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        trace = trace_tokens(model, ids, record="default", prefill=len(ids) - 4, device=device)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                counts.append(sum("synchroniz" in str(w.message) for w in caught))
+            syncs[f"{fmt or 'amax/448'} {way}"] = counts
+            traces[way] = trace
+        a, b = traces["route"].tensors, traces["plain"].tensors
+        equal = sum(torch.equal(a[name], b[name]) for name in b if name in a)
+        label = fmt or "amax/448"
+        result[f"trace_{label}"] = {
+            "values_equal": f"{equal} of {len(b)}",
+            "logits": product_comparison(a["logits.last"], b["logits.last"]) if "logits.last" in b else None,
+            "selections": compare(*({n: t for n, t in x.items() if n.endswith("topk_indices")} for x in (a, b))),
+        }
+        route, plain = syncs[f"{label} route"][1], syncs[f"{label} plain"][1]
+        if route > plain:
+            problems.append(f"{label}: the route's second forward synchronised {route} times, the plain one's {plain}")
+        del model
+    result["syncs_first_second"] = syncs
+    result["problems"] = problems
+
+
 def cpu_compare_phase(check: Check, result: dict) -> None:
     opts = check.opts
     ids = check.found["compare_ids"]
@@ -531,6 +661,10 @@ FIGURES = {
     "plan": lambda r: (
         f"plan {r.get('predicted_total_gb')} GB, measured {r.get('measured_peak_gb')} GB "
         f"(x{r.get('predicted_over_measured')}), load {r.get('plan_load')}"
+    ),
+    "kernels": lambda r: (
+        f"fp8_gemm route vs plain: {r.get('products_equal_share')} bit-equal, max rel diff {r.get('products_max_rel'):.2e}"
+        + "".join(f" | syncs {k}: {v}" for k, v in r.get("syncs_first_second", {}).items())
     ),
     "cpu_compare": lambda r: (
         "; ".join(f"{k[:-7]}: {v['rows_differing']} of {v['rows']} rows differ" for k, v in r.items() if k.endswith("_vs_cpu"))
@@ -582,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         check.phase("run", lambda r: run_phase(check, r), needs=("checkpoint",), at_least=20)
         check.phase("server", lambda r: server_phase(check, r), needs=("checkpoint",), at_least=20)
         check.phase("plan", lambda r: plan_phase(check, r), needs=("checkpoint",), at_least=10)
+        check.phase("kernels", lambda r: kernels_phase(check, r), at_least=20)
         check.phase("cpu_compare", lambda r: cpu_compare_phase(check, r), needs=("checkpoint", "compare_ids"), at_least=10)
     finally:
         if not opts.keep and "workdir" in check.found:

@@ -1,4 +1,5 @@
-"""The CPU backend: faster routes to the values of the plain functions the model calls.
+"""The backend: faster routes to the values of the plain functions the model calls (the CPU's, and a
+CUDA device's for the FP8 functions).
 
 The model computes the reference's forward in plain PyTorch (model/fp8.py holds the reference's
 kernels that way) and reaches a product, an FP8 rounding or a top-k only through the functions
@@ -11,14 +12,18 @@ route against its plain function, and the traces of a model both ways):
 - ``fp8``: FP8 codes decoded from their bits, FP8 weights dequantised once, the indexer's masked
   keys left uncomputed;
 - ``moe``: a MoE block's experts prepared together, [w1; w3] as one product, split among threads;
+- ``cuda``: on a CUDA device, the FP8 products, dequantisations and roundings without a host
+  synchronisation per product (the scales' power-of-two question answered once per weight, the
+  128-wide blocks batched, bfloat16 copies kept within a budget: :func:`set_copy_budget`);
 - ``weights``: the copies kept beside their weights (weakly: they go when the weight goes);
 - ``threads``: the thread policy, a context the entry points enter (:func:`serial_passes`);
 - ``through``: inside model.fp8.straight_through, where autograd records, each function's value as
   above and a gradient past it (FP8 roundings passed straight through, selections held fixed).
 
 ``ANATOMY_KERNELS=plain`` switches every route off (read once per process); :func:`plain` does in
-a context. Off the CPU, on a weight that is trained, and with the routes off, each function is its
-plain one. Nothing here changes a process-wide setting.
+a context. On a device other than the CPU (and CUDA's for the FP8 functions), on a weight that is
+trained, and with the routes off, each function is its plain one. Nothing here changes a
+process-wide setting.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import fp8 as plain_fp8
+from . import cuda as _cuda
 from . import fp8 as _fp8
 from . import moe as _moe
 from . import products, switch, threads, through, weights
+from .cuda import set_copy_budget
 from .products import cpu_route, describe_route, native_bf16, product_dtype
 from .switch import ENV, enabled, plain, setting
 from .threads import serial_passes
@@ -40,6 +47,17 @@ def _on(t: torch.Tensor) -> bool:
     """Whether a value on this tensor's device takes the CPU routes (not while it is trained: a
     kept copy holds no gradient)."""
     return t.device.type == "cpu" and enabled() and not (t.requires_grad and torch.is_grad_enabled())
+
+
+def _fp8_route(t: torch.Tensor):
+    """The module whose FP8 functions a value on this tensor's device takes: the CPU's
+    (kernels.fp8), CUDA's (kernels.cuda), or model.fp8's plain ones (routes off, another device, a
+    tensor trained)."""
+    if _on(t):
+        return _fp8
+    if t.device.type == "cuda" and enabled() and not (t.requires_grad and torch.is_grad_enabled()):
+        return _cuda
+    return plain_fp8
 
 
 def describe() -> dict[str, str]:
@@ -70,8 +88,8 @@ def linear(
         return through.through(lambda: linear(x, weight, scale, scale_fmt), through.unrounded_product(weight, scale), source)
     if scale is not None:
         if not isinstance(x, plain_fp8.Rounded) and not plain_fp8.rounds_activations():
-            return _fp8.unrounded_gemm(x, weight, scale) if _on(weight) else plain_fp8.unrounded_gemm(x, weight, scale)
-        return _fp8.fp8_gemm(x, weight, scale, scale_fmt) if _on(weight) else plain_fp8.fp8_gemm(x, weight, scale, scale_fmt)
+            return _fp8_route(weight).unrounded_gemm(x, weight, scale)
+        return _fp8_route(weight).fp8_gemm(x, weight, scale, scale_fmt)
     if not _on(weight):
         return F.linear(x, weight.to(x.dtype))
     compute = product_dtype(x.dtype)
@@ -81,10 +99,14 @@ def linear(
 
 def weight_dequant(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, keep: bool = True) -> torch.Tensor:
     """The weight in ``dtype``: an FP8 weight times its block scales (model.fp8.weight_dequant). ``keep``:
-    the CPU route keeps the copy beside the weight (for a weight read at every step)."""
+    the route keeps the copy beside the weight (for a weight read at every step; on a GPU within
+    the budget of :func:`set_copy_budget`)."""
     if scale is None:
         return weight.to(dtype)
-    if not _on(weight):
+    route = _fp8_route(weight)
+    if route is _cuda:
+        return _cuda.weight_dequant(weight, scale, dtype, keep)
+    if route is plain_fp8:
         return plain_fp8.weight_dequant(weight, scale, dtype)
     return _fp8.dequantized(weight, scale, dtype) if keep else _fp8.weight_dequant(weight, scale, dtype)
 
@@ -95,7 +117,7 @@ def fake_quant(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
         return x
     if through.records(x):  # the round trip passes its gradient unchanged
         return through.through(lambda: fake_quant(x, scale_fmt), through.identity, x)
-    return _fp8.fake_quant(x, scale_fmt) if _on(x) else plain_fp8.fake_quant(x, scale_fmt)
+    return _fp8_route(x).fake_quant(x, scale_fmt)
 
 
 def fp8_index(
@@ -165,10 +187,15 @@ def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def experts(modules, x: torch.Tensor | plain_fp8.Rounded, tokens: torch.Tensor, counts: list[int], dtype: torch.dtype):
     """A MoE block's routed experts on their rows, sorted by expert: (N k, D) in ``dtype``, by the
     CPU route where it has one (moe.experts); None where the block's own loop must run (also where
-    autograd records: each expert's products then pass the gradient, model.kernels.through)."""
+    autograd records: each expert's products then pass the gradient, model.kernels.through). On a
+    GPU the loop runs, each product by kernels.cuda, the experts' scales judged first with one
+    synchronisation for all that are new (a streamed block's)."""
     if through.records(x.source if isinstance(x, plain_fp8.Rounded) else x):
         return None
-    return _moe.experts(modules, x, tokens, counts, dtype) if _on(tokens) else None
+    route = _fp8_route(tokens)
+    if route is _cuda:
+        _cuda.decide(_cuda.experts_scales(modules, counts))
+    return _moe.experts(modules, x, tokens, counts, dtype) if route is _fp8 else None
 
 
 __all__ = [
@@ -187,6 +214,7 @@ __all__ = [
     "plain",
     "product_dtype",
     "serial_passes",
+    "set_copy_budget",
     "topk",
     "use_once",
     "weight_dequant",
