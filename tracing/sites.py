@@ -37,7 +37,7 @@ class SiteSpec:
     # how a derived site is computed: "derive" (its row's ``derive`` from derived_from's value, at that
     # hook point), "lens" (the final norm and head at each block's stream, when they run), "next" (every
     # position's next-token distribution, at the head), "attribution" (tracing.analyses.attribution,
-    # for one position and target), "mtp" (the MTP module's draft at each position, tracing.tracer) or
+    # for one position and target), "mtp" (the MTP module's draft at each position, tracing.tracer),
     # "flow" (tracing.analyses.flow, the contribution graph) or "features" (a dictionary's, when the run
     # has one for the site: tracing.dictionary.features): the
     # analyses are computed by their module's hooks and named (or --attribute, 'flow'), never by 'all'
@@ -167,9 +167,7 @@ def _feature_rows() -> tuple[SiteSpec, ...]:
                 feature_site(base, "error_norm"),
                 "T",
                 F32,
-                "the norm of the reconstruction error: `|"
-                + ("ffn_out" if transcoder else read)
-                + " - decode(encode(input))|`",
+                "the norm of the reconstruction error: `|" + ("ffn_out" if transcoder else read) + " - decode(encode(input))|`",
                 **common,
             ),
         ]
@@ -819,8 +817,8 @@ def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | 
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:
     """Site names matching glob patterns (``*`` crosses dots); 'default', 'attribution' (with its
     defaults: the last position's top prediction), 'flow' (the contribution graph), 'gradient' (with
-    a request's ``gradient_of``), 'features' (a run's dictionaries') and 'all' are shorthands. A gradient's site (``grad.*``) matches
-    only a pattern that names it (one that holds "grad").
+    a request's ``gradient_of``), 'features' (a run's dictionaries') and 'all' are shorthands. A
+    gradient's site (``grad.*``) matches only a pattern that names it (one that holds "grad").
 
     Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
     record nothing; the default patterns need not match (a model without a MoE block has no gate).

@@ -84,6 +84,39 @@ def resolve(
     return out
 
 
+MAX_CATALOGUE = 64  # a server's dictionaries
+
+
+def load_catalogue(directory: str | os.PathLike, args: ModelArgs) -> dict[str, Dictionary]:
+    """A server's dictionaries (``serve --dictionaries DIR``) by name: DIR itself when it holds one,
+    else each subdirectory that does, named by its directory; each checked against the model. A
+    request names them, and no request reaches a path."""
+    from pathlib import Path
+
+    from .dictionary import CFG_NAME, DictionaryError, check_fits, load
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise DictionaryError(f"--dictionaries {root}: not a directory")
+    found = [root] if (root / CFG_NAME).is_file() else sorted(p for p in root.iterdir() if (p / CFG_NAME).is_file())
+    if not found:
+        raise DictionaryError(f"--dictionaries {root}: holds no dictionary (a directory with {CFG_NAME})")
+    if len(found) > MAX_CATALOGUE:
+        raise DictionaryError(f"--dictionaries {root}: {len(found)} dictionaries; a server takes at most {MAX_CATALOGUE}")
+    out = {}
+    for path in found:
+        d = load(path)
+        read_site(d.site)
+        check_fits(d, args)
+        out[path.name] = d
+    return out
+
+
+def describe_catalogue(catalogue: Mapping[str, Dictionary]) -> dict[str, dict]:
+    """What a server tells of its dictionaries (/info): what a client names and what each reads."""
+    return {name: {"site": d.site, "kind": d.kind, "n_features": d.n_features, "k": d.k} for name, d in catalogue.items()}
+
+
 def dictionary_info(dictionaries: Mapping[str, Dictionary], names: Sequence[str] = ()) -> dict[str, dict]:
     """What a trace records of its dictionaries (``extra["dictionaries"]``), by site: the tables and
     pages read it (the width of the ids, the name it was given)."""
