@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
+from . import feature_pages
 from .inputs import finite, integer, named_path
 from .loading import add_device_options, add_source_options, refuse_local_flags
 
@@ -17,6 +18,7 @@ def add_parser(sub) -> None:
     group = sub.add_parser("dictionary", help="sparse dictionaries over a site: train one (SAELens's format)")
     actions = group.add_subparsers(dest="action", required=True)
     _add_train(actions)
+    feature_pages.add_parser(actions)
 
 
 def _add_train(actions) -> None:

@@ -34,10 +34,11 @@ from model.hooks import Hooks
 
 from ..errors import InputError
 from ..sites import hook_points, site_name
+from ..tables.files import PAGE_TABLES
 from .dictionary import Dictionary
 from .features import read_site
 
-TABLES = ("feature_summary", "feature_contexts", "feature_logits", "feature_experts", "expert_features")
+TABLES = PAGE_TABLES
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,9 @@ def count_corpus(
 
 
 @torch.no_grad()
-def logit_effects(model: torch.nn.Module, d: Dictionary, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def logit_effects(
+    model: torch.nn.Module, d: Dictionary, top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each feature's decoder direction through the final norm's gain and the head: (promoted ids,
     their logits, suppressed ids, their logits), each (n_features, top)."""
     norm, head = model.norm, model.head
