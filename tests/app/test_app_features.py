@@ -1,0 +1,57 @@
+"""The Features page, run headless with AppTest: pages a corpus run wrote open from their directory,
+each view is a link (the same view reopens from the URL alone), every table has its CSV, and a
+directory that holds no pages is one st.error."""
+
+from __future__ import annotations
+
+import torch
+from streamlit.testing.v1 import AppTest
+
+from app.core import settings
+from model import TINY
+from tests.app.apptest import APP, TIMEOUT, messages, raised_nothing
+from tests.tracing.dictionary.test_features import dictionary
+from tracing.cli.loading import Loaded
+from tracing.dictionary.pages import PageSettings, feature_pages
+from tracing.tables import write_tables
+
+PAGE = "views/features.py"
+
+
+def test_the_features_page_opens_pages_and_a_link_reopens_the_view(tiny_model, app_checkpoint, monkeypatch, tmp_path):
+    ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2)).tolist()
+    loaded = Loaded(tiny_model, None, None, "tiny", torch.device("cpu"))
+    d = dictionary(site="layers.1.resid_post", n=16, k=3)
+    tables = feature_pages(loaded, {"resid": d}, [ids], PageSettings(contexts=3, window=2, logit_tokens=3))
+    write_tables(tables, tmp_path / "pages")
+    summary = tables["feature_summary"]
+    feature = int(summary.sort_values("max_activation").iloc[-1]["feature"])
+    token = tables["feature_contexts"].query("feature == @feature").iloc[0]["token"]
+
+    monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params["source"] = "dir"  # no checkpoint typed: no model loads, no prompt is traced (the page needs none)
+    raised_nothing(at.run().switch_page(PAGE).run())
+    at.text_input(key="feat_dir").set_value(str(tmp_path / "pages")).run()
+    assert not at.error, messages(at.error)
+    assert len(at.dataframe[0].value) == d.n_features  # every feature, strongest first
+    at.text_input(key="feat_search").set_value(token).run()  # a token of its strongest context finds it
+    assert feature in list(at.dataframe[0].value["feature"])
+    raised_nothing(at.button_group(key="feat_section").set_value("One feature").run())
+    raised_nothing(at.number_input(key="feat_id").set_value(feature).run())
+    assert f"Feature {feature}" in messages(at.markdown)
+    contexts = at.dataframe[0].value
+    assert list(contexts["activation"]) == sorted(contexts["activation"], reverse=True) and len(contexts) == 3
+    assert len(at.get("download_button")) >= len(at.dataframe)  # every table downloadable (and the page's zip)
+    link = dict(at.query_params)
+    assert link["feat_section"] == "One feature" and link["feat_id"] == str(feature)
+
+    again = AppTest.from_file(APP, default_timeout=TIMEOUT)  # a new visit with the link alone
+    again.query_params.update(link)
+    raised_nothing(again.run().switch_page(PAGE).run())
+    assert not again.error, messages(again.error)
+    assert again.number_input(key="feat_id").value == feature
+    assert again.dataframe[0].value.equals(contexts)
+
+    again.text_input(key="feat_dir").set_value(str(tmp_path)).run()  # no pages there
+    assert "Pages not opened" in messages(again.error) and "feature_summary.csv" in messages(again.error)
