@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.optim.adam import adam
 
 from ..atlas.corpus import Corpus, Source, Survey
@@ -366,8 +367,9 @@ class Trainer:
         x, y = x * self.scale_in, y * self.scale_out
         d = self.d
         pre = d.pre_acts(x)  # (N, n)
-        acts = _topk(pre, d.k)
-        error = y - d.decode(acts)  # (N, d_out)
+        values, indices = pre.topk(d.k, dim=-1, sorted=False)  # (N, k): the decoder reads k rows a position
+        values = values.relu()
+        error = y - (F.embedding_bag(indices, d.W_dec, per_sample_weights=values, mode="sum") + d.b_dec)  # (N, d_out)
         loss = error.pow(2).sum(1).mean() / self.variance
         dead = self.since_fired >= self.s.dead_tokens
         if dead.any():
@@ -382,7 +384,8 @@ class Trainer:
             g -= (g * w).sum(1, keepdim=True) * w
             self._adam(params, grads)
         d.normalize_decoder()
-        fired = (acts > 0).any(0)
+        fired = torch.zeros_like(dead)
+        fired[indices[values > 0]] = True
         self.since_fired += len(x)
         self.since_fired[fired] = 0
         self.step += 1
