@@ -19,7 +19,9 @@ from tracing.tables.files import PAGE_TABLES
 
 from .figures import COLORS, figure
 
-BUNDLED = Path(__file__).resolve().parents[2] / "assets" / "demo_dictionary" / "pages"
+DICTIONARIES = Path(__file__).resolve().parents[2] / "assets" / "dictionaries"  # the demo's (scripts/demo_dictionaries.py)
+BUNDLED = DICTIONARIES / "pages"  # their pages over the demo's held-out text (scripts/demo_feature_pages.py)
+TYPED = "a directory"  # the choice of a dictionary typed, beside the bundled ones
 SUMMARY = "feature_summary.csv"
 SECTIONS = ("Features", "One feature", "Experts", "This prompt")
 EDITS = ("zero", "scale", "add")
@@ -177,6 +179,13 @@ def expert_blocks(pages: Pages, dictionary: str) -> list[int]:
 
 
 # --- the session's prompt ----------------------------------------------------------------------------------
+def bundled_dictionaries() -> list[str]:
+    """The demo's bundled dictionaries, by directory name."""
+    if not DICTIONARIES.is_dir():
+        return []
+    return sorted(p.name for p in DICTIONARIES.iterdir() if (p / "cfg.json").is_file())
+
+
 def edit_spec(site: str, feature: int, edit: str, amount: float, positions: str) -> str:
     """A feature edit as the request's ``features`` text (tracing.dictionary.features.parse_edits)."""
     how = {"zero": "=0", "scale": f"*{amount:g}", "add": f"{amount:+g}"}[edit]
@@ -217,7 +226,8 @@ KEYS: tuple[Key, ...] = (
     Key("feat_id", "Features: the feature shown", 0, kept=True, link=integer(0, 1 << 24)),
     Key("feat_block", "Features: the block whose expert is shown", kept=True, link=integer(0, 1 << 16)),
     Key("feat_expert", "Features: the expert shown", 0, kept=True, link=integer(0, 1 << 20)),
-    Key("feat_dict_dir", "Features: the dictionary directory the prompt's features are read with", "", kept=True),
+    Key("feat_prompt_dictionary", "Features: the dictionary the prompt is read with (bundled, or typed)", kept=True),
+    Key("feat_dict_dir", "Features: the dictionary directory typed for the prompt", "", kept=True),
     Key("feat_edit", "Features: the edit of the prompt's feature: zero, scale or add", EDITS[0], kept=True, link=one_of(*EDITS)),
     Key("feat_amount", "Features: the edit's scale or amount", 2.0, kept=True, link=number(-1e6, 1e6)),
     Key("feat_positions", "Features: the positions the edit acts at (P, A:B; empty: all)", "", kept=True, link=text(40)),

@@ -143,16 +143,20 @@ def _this_prompt() -> None:
     if model is None:
         st.info("Choose a model in the sidebar: the prompt runs through it.", icon=":material/info:")
         return
-    typed = st.text_input(
-        "Dictionary directory",
-        key="feat_dict_dir",
-        placeholder="dictionary/ (cfg.json, sae_weights.safetensors)",
-        help="A dictionary in SAELens's layout, e.g. the --out DIR of `python -m tracing dictionary train`"
-        + paths.roots_help("dictionaries"),
-    )
-    if not typed.strip():
-        st.caption("Type a dictionary's directory; its features at the prompt's positions, and one of them edited, appear here.")
-        return
+    bundled = topic.bundled_dictionaries()
+    choice = st.selectbox("Dictionary", [*bundled, topic.TYPED], key="feat_prompt_dictionary")
+    typed = ""
+    if choice == topic.TYPED:
+        typed = st.text_input(
+            "Dictionary directory",
+            key="feat_dict_dir",
+            placeholder="dictionary/ (cfg.json, sae_weights.safetensors)",
+            help="A dictionary in SAELens's layout, e.g. the --out DIR of `python -m tracing dictionary train`"
+            + paths.roots_help("dictionaries"),
+        )
+        if not typed.strip():
+            st.caption("Type a dictionary's directory; the prompt's features there, and one of them edited, appear here.")
+            return
     left, middle, right, last = st.columns(4)
     feature = int(left.number_input("Feature", min_value=0, step=1, key="feat_id"))
     edit = middle.selectbox("Edit", topic.EDITS, key="feat_edit")
@@ -160,16 +164,18 @@ def _this_prompt() -> None:
     positions = last.text_input("Positions", key="feat_positions", placeholder="all, or P, or A:B")
     if st.button("Trace with the dictionary", key="feat_run", type="primary"):
         try:
-            with paths.refused_alike(DICTIONARY, typed, (OSError, ValueError)):
-                folder = paths.confine(Path(typed.strip()).expanduser(), DICTIONARY, "cfg.json")
             from tracing.dictionary import load
 
-            d = load(folder)
+            if choice == topic.TYPED:  # under the roots, what it holds is refused alike (app.core.paths)
+                with paths.refused_alike(DICTIONARY, typed, (*BAD_INPUT, OSError, ValueError)):
+                    d = load(paths.confine(Path(typed.strip()).expanduser(), DICTIONARY, "cfg.json"))
+            else:
+                d = load(topic.DICTIONARIES / choice)
             prompt = st.session_state.get("prompt", settings.DEFAULT_PROMPT)
             spec = topic.edit_spec(d.site, feature, edit, amount, positions)
-            plain = model.trace(TraceRequest(prompt=prompt, record=("next.*",), dictionaries=(d,)), None, model.max_tokens())
+            plain = model.trace(TraceRequest(prompt=prompt, record=("logits.last",), dictionaries=(d,)), None, model.max_tokens())
             edited = model.trace(
-                TraceRequest(prompt=prompt, record=("next.*",), dictionaries=(d,), interventions={"features": spec}),
+                TraceRequest(prompt=prompt, record=("logits.last",), dictionaries=(d,), interventions={"features": spec}),
                 None,
                 model.max_tokens(),
             )
