@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -265,6 +266,8 @@ class TrainJob:
             features=s.features,
             k=s.k,
             steps=trainer.step,
+            loss_start=sum(trainer.first) / len(trainer.first) if trainer.first else None,  # the first ten steps'
+            loss_end=sum(trainer.recent) / len(trainer.recent) if trainer.recent else None,  # the last ten steps'
             train_rows=self.split["train_rows"] * s.epochs,
             train_seconds=round(seconds, 1),
             dead_share_training=trainer.dead_share(),
@@ -348,6 +351,8 @@ class Trainer:
         self.scale_in = self.scale_out = self.variance = None  # from the first rows seen
         self.since_fired = torch.zeros(s.features, dtype=torch.long)  # rows since each feature last fired
         self.last_loss = float("nan")
+        self.first: list[float] = []  # the first ten steps' losses, and the last ten, for the report
+        self.recent: deque[float] = deque(maxlen=10)
         self.aux_k = s.aux_k or min(2 * s.k, s.features)
 
     def _start(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -390,6 +395,9 @@ class Trainer:
         self.since_fired[fired] = 0
         self.step += 1
         self.last_loss = float(loss.detach())
+        if len(self.first) < 10:
+            self.first.append(self.last_loss)
+        self.recent.append(self.last_loss)
 
     def _adam(self, params: dict, grads: dict) -> None:
         names = list(params)
@@ -434,7 +442,14 @@ class Trainer:
         return d
 
     def progress(self) -> dict:
-        return {"step": self.step, "scale_in": self.scale_in, "scale_out": self.scale_out, "variance": self.variance}
+        return {
+            "step": self.step,
+            "scale_in": self.scale_in,
+            "scale_out": self.scale_out,
+            "variance": self.variance,
+            "first": self.first,
+            "recent": list(self.recent),
+        }
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"dictionary.{n}": p.detach().clone() for n, p in self.d.named_parameters()}
@@ -462,6 +477,7 @@ class Trainer:
             self.generator.set_state(tensors["generator"])
             self.step = int(progress["step"])
             self.scale_in, self.scale_out, self.variance = progress["scale_in"], progress["scale_out"], progress["variance"]
+            self.first, self.recent = list(progress["first"]), deque(progress["recent"], maxlen=10)
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise InputError(f"the training state cannot be used ({exc})") from None
 
