@@ -106,8 +106,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         from model.config import ModelArgs
 
         from ..client import Client, read_token_file
+        from ..dictionary.sources import SERVER_TRANSCODER
 
         refuse_local_flags(args)
+        if settings.kind == "transcoder":
+            raise InputError(SERVER_TRANSCODER)
         if args.tokenizer is None:
             raise InputError("--server: pass --tokenizer DIR (the served checkpoint's tokenizer.json directory) to cut the texts")
         tokenizer, label = Tokenizer(resolve_checkpoint(args.tokenizer)), args.server
