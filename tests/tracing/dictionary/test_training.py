@@ -16,8 +16,10 @@ from tracing.dictionary.sources import LocalModel
 from tracing.dictionary.train import STATE, Settings, Trainer, TrainJob
 
 SAMPLE = DEMO / "heldout_sample.txt"
-# about 1200 tokens: 19 sequences of 64 in 10 batches, every 4th held out; 2 x 20 steps of 48 rows
-TINY = dict(features=32, k=4, seq_len=64, batch_size=2, rows_per_step=48, heldout=0.25, dead_tokens=200, epochs=2)
+# about 1200 tokens: 19 sequences of 64 in 5 batches, the 4th held out; 2 x 20 steps of 48 rows;
+# a buffer of 64 KiB (64 rows) is a phase, and a state written, per batch
+TINY = dict(features=32, k=4, seq_len=64, batch_size=4, rows_per_step=48, heldout=0.25, dead_tokens=200, epochs=2)
+TINY.update(buffer_bytes=1 << 16)
 
 pytestmark = pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="assets/demo is not there")
 
@@ -57,30 +59,30 @@ def test_training_learns_and_saves_what_it_reports(trained, demo):
     assert report["clean_loss"] == pytest.approx(baseline["clean_loss"])
 
 
-def test_an_interrupted_run_continues_to_the_same_dictionary(demo, tmp_path, monkeypatch):
+def test_an_interrupted_run_continues_to_the_same_dictionary(trained, demo, tmp_path, monkeypatch):
+    whole, want = trained
     out = tmp_path / "again"
-    small = dict(buffer_bytes=1 << 16, max_tokens=640, epochs=1)  # 5 batches, 1 held out; 64 KiB: a phase per batch
-    want = job(demo, tmp_path / "whole", **small).run(demo)
     writes = []
 
-    def stop_after_first(self, trainer, progress):
+    def stop_after_third(self, trainer, progress):
         original(self, trainer, progress)
         writes.append(progress["step"])
-        raise KeyboardInterrupt
+        if len(writes) == 3:
+            raise KeyboardInterrupt
 
     original = TrainJob._write_state
-    monkeypatch.setattr(TrainJob, "_write_state", stop_after_first)
+    monkeypatch.setattr(TrainJob, "_write_state", stop_after_third)
     with pytest.raises(KeyboardInterrupt):
-        job(demo, out, **small).run(demo)
+        job(demo, out).run(demo)
     monkeypatch.setattr(TrainJob, "_write_state", original)
-    assert (out / STATE).is_file() and 0 < writes[0] < want["steps"]
-    got = job(demo, out, **small).run(demo)
-    assert got["steps"] == want["steps"]
-    a, b = load(out), load(tmp_path / "whole")
+    assert (out / STATE).is_file() and 0 < writes[-1] < want["steps"]
+    got = job(demo, out).run(demo)
+    assert got["steps"] == want["steps"] and got["variance_explained"] == want["variance_explained"]
+    a, b = load(out), load(whole)
     for name, p in a.named_parameters():
         assert torch.equal(p, getattr(b, name)), name
     with pytest.raises(Exception, match="other settings"):
-        job(demo, out, **small, seed=1)
+        job(demo, out, seed=1)
 
 
 def test_the_scales_fold_exactly():
