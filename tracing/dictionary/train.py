@@ -148,16 +148,20 @@ class TrainJob:
     def _survey(self) -> tuple[Survey, dict]:
         """Every input read and counted (tracing.atlas.corpus); the batches split into training and held out."""
         survey = Survey()
-        every = max(2, round(1 / self.settings.heldout))
-        split = {"train_batches": 0, "train_rows": 0, "heldout_batches": 0, "heldout_rows": 0, "every": every}
         bos = self.tokenizer.bos_id is not None
-        for index, batch in enumerate(self.corpus.batches(survey)):
-            part = "heldout" if self.held_out(index, every) else "train"
-            split[f"{part}_batches"] += 1
-            split[f"{part}_rows"] += len(batch) * (len(batch[0]) - bos)
+        rows = []  # per batch
+        for batch in self.corpus.batches(survey):
+            rows.append(len(batch) * (len(batch[0]) - bos))
             survey.batches += 1
             survey.sequences += len(batch)
             survey.tokens += len(batch) * len(batch[0])
+        # every (1 / heldout)-th batch; with fewer batches than that, the last
+        every = max(2, min(round(1 / self.settings.heldout), len(rows)))
+        split = {"train_batches": 0, "train_rows": 0, "heldout_batches": 0, "heldout_rows": 0, "every": every}
+        for index, n in enumerate(rows):
+            part = "heldout" if self.held_out(index, every) else "train"
+            split[f"{part}_batches"] += 1
+            split[f"{part}_rows"] += n
         if not split["heldout_batches"] or not split["train_batches"] or not split["train_rows"]:
             raise InputError(
                 f"the texts make {survey.batches} batches of {self.settings.batch_size} sequences: too few to train on "
