@@ -102,6 +102,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     settings.check()
     sources = [Source(Path(f)) for f in args.text_file or ()] + [Source(Path(f), args.field) for f in args.jsonl or ()]
     weights, model = None, None
+    if args.token_file is not None and args.server is None:
+        raise InputError("--token-file applies to --server")
     if args.server is not None:
         from model.config import ModelArgs
 

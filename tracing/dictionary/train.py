@@ -50,7 +50,7 @@ from ..cli.output import check_directory, write_file
 from ..cli.progress import ProgressBar
 from ..errors import InputError
 from .buffer import ActivationBuffer
-from .dictionary import KINDS, Dictionary, save, site_layer
+from .dictionary import CFG_NAME, KINDS, WEIGHTS_NAME, Dictionary, save, site_layer
 from .sources import LocalModel, ServerModel
 
 STATE = "train_state.safetensors"
@@ -180,7 +180,8 @@ class TrainJob:
             return
         except OSError as exc:
             raise InputError(f"{self.out}: cannot list the directory ({exc.strerror or exc})") from None
-        if names and STATE not in names:
+        ours = {STATE, BUFFER, REPORT, CFG_NAME, WEIGHTS_NAME}
+        if set(names) - ours or (names and STATE not in names and set(names) != {BUFFER}):
             raise InputError(f"{self.out}: holds files and no {STATE}; refusing to write into it (give a new or empty one)")
 
     # the state ----------------------------------------------------------------------------------------
