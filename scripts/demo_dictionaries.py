@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 OUT = REPO / "assets" / "dictionaries"
-DOCUMENTS = 40  # of the demo corpus's 661 training documents
+DOCUMENTS = 16  # of the demo corpus's 661 training documents
 SEED = 0
 COMMON = "--features 1024 --k 16 --rows-per-step 512 --epochs 8 --dead-tokens 20000 --seed 0"
 COMMANDS = {

@@ -121,3 +121,24 @@ def test_what_a_run_records_reads_back_with_the_sites_read_together(app_checkpoi
     trace = Trace.load(out)
     assert set(trace.tensors) == {"tokens", "next.topk_indices", "next.topk_probs"}
     assert select(trace.config, "layers.1.attn.attribution") == ["layers.1.attn.attribution", "layers.1.ffn.attribution"]
+
+
+@pytest.mark.slow
+def test_dictionary_training_on_a_server_matches_the_local_one(server, app_checkpoint, tmp_path, capsys):
+    sample = REPO / "assets" / "demo" / "heldout_sample.txt"
+    if not sample.is_file():
+        pytest.skip("assets/demo is not there")
+    argv = ["dictionary", "train", "--text-file", str(sample), "--site", "layers.1.resid_post", "--features", "32"]
+    argv += ["--k", "4", "--seq-len", "64", "--batch-size", "2", "--rows-per-step", "48", "--max-tokens", "640"]
+    argv += ["--heldout", "0.25"]
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--server", server, "--tokenizer", app_checkpoint, "--out", str(tmp_path / "remote")]) == 0
+    capsys.readouterr()
+    local, remote = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("local", "remote"))
+    assert remote["steps"] == local["steps"] and remote["heldout_rows"] == local["heldout_rows"]
+    assert remote["clean_loss"] == pytest.approx(local["clean_loss"], rel=1e-3)
+    assert remote["variance_explained"] == pytest.approx(local["variance_explained"], abs=0.05)
+    assert remote["spliced_loss"] == pytest.approx(local["spliced_loss"], rel=0.05)
+    argv[argv.index("layers.1.resid_post")] = "layers.1.ffn"
+    assert main([*argv, "--server", server, "--tokenizer", app_checkpoint, "--out", str(tmp_path / "t")]) == 2
+    assert "a server does not record" in capsys.readouterr().err

@@ -104,12 +104,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     settings.check()
     sources = [Source(Path(f)) for f in args.text_file or ()] + [Source(Path(f), args.field) for f in args.jsonl or ()]
     weights, model = None, None
+    if args.token_file is not None and args.server is None:
+        raise InputError("--token-file applies to --server")
     if args.server is not None:
         from model.config import ModelArgs
 
         from ..client import Client, read_token_file
+        from ..dictionary.sources import SERVER_TRANSCODER
 
         refuse_local_flags(args)
+        if settings.kind == "transcoder":
+            raise InputError(SERVER_TRANSCODER)
         if args.tokenizer is None:
             raise InputError("--server: pass --tokenizer DIR (the served checkpoint's tokenizer.json directory) to cut the texts")
         tokenizer, label = Tokenizer(resolve_checkpoint(args.tokenizer)), args.server

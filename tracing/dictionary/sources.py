@@ -23,6 +23,11 @@ from ..errors import InputError
 from ..sites import hook_points
 from .dictionary import Dictionary
 
+SERVER_TRANSCODER = (
+    "--server trains autoencoders on a recorded site; a transcoder reads the FFN's normed input, "
+    "which a server does not record: train it with --checkpoint"
+)
+
 
 class _Enough(Exception):
     """Raised by the gathering hook once the site is read: the blocks after it need not run."""
@@ -96,10 +101,7 @@ class ServerModel:
 
     def __init__(self, client, kind: str, site: str, skip_first: bool):
         if kind != "sae":
-            raise InputError(
-                "--server trains autoencoders on a recorded site; a transcoder reads the FFN's normed input, "
-                "which a server does not record: train it with --checkpoint"
-            )
+            raise InputError(SERVER_TRANSCODER)
         self.client, self.site, self.skip = client, site, int(skip_first)
 
     def _trace(self, seq: list[int], **fields):

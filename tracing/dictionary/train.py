@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from ..cli.output import check_directory, write_file
 from ..cli.progress import ProgressBar
 from ..errors import InputError
 from .buffer import ActivationBuffer
-from .dictionary import KINDS, Dictionary, save, site_layer
+from .dictionary import CFG_NAME, KINDS, WEIGHTS_NAME, Dictionary, save, site_layer
 from .sources import LocalModel, ServerModel
 
 STATE = "train_state.safetensors"
@@ -147,16 +148,20 @@ class TrainJob:
     def _survey(self) -> tuple[Survey, dict]:
         """Every input read and counted (tracing.atlas.corpus); the batches split into training and held out."""
         survey = Survey()
-        every = max(2, round(1 / self.settings.heldout))
-        split = {"train_batches": 0, "train_rows": 0, "heldout_batches": 0, "heldout_rows": 0, "every": every}
         bos = self.tokenizer.bos_id is not None
-        for index, batch in enumerate(self.corpus.batches(survey)):
-            part = "heldout" if self.held_out(index, every) else "train"
-            split[f"{part}_batches"] += 1
-            split[f"{part}_rows"] += len(batch) * (len(batch[0]) - bos)
+        rows = []  # per batch
+        for batch in self.corpus.batches(survey):
+            rows.append(len(batch) * (len(batch[0]) - bos))
             survey.batches += 1
             survey.sequences += len(batch)
             survey.tokens += len(batch) * len(batch[0])
+        # every (1 / heldout)-th batch; with fewer batches than that, the last
+        every = max(2, min(round(1 / self.settings.heldout), len(rows)))
+        split = {"train_batches": 0, "train_rows": 0, "heldout_batches": 0, "heldout_rows": 0, "every": every}
+        for index, n in enumerate(rows):
+            part = "heldout" if self.held_out(index, every) else "train"
+            split[f"{part}_batches"] += 1
+            split[f"{part}_rows"] += n
         if not split["heldout_batches"] or not split["train_batches"] or not split["train_rows"]:
             raise InputError(
                 f"the texts make {survey.batches} batches of {self.settings.batch_size} sequences: too few to train on "
@@ -175,7 +180,8 @@ class TrainJob:
             return
         except OSError as exc:
             raise InputError(f"{self.out}: cannot list the directory ({exc.strerror or exc})") from None
-        if names and STATE not in names:
+        ours = {STATE, BUFFER, REPORT, CFG_NAME, WEIGHTS_NAME}
+        if set(names) - ours or (names and STATE not in names and set(names) != {BUFFER}):
             raise InputError(f"{self.out}: holds files and no {STATE}; refusing to write into it (give a new or empty one)")
 
     # the state ----------------------------------------------------------------------------------------
@@ -265,6 +271,8 @@ class TrainJob:
             features=s.features,
             k=s.k,
             steps=trainer.step,
+            loss_start=sum(trainer.first) / len(trainer.first) if trainer.first else None,  # the first ten steps'
+            loss_end=sum(trainer.recent) / len(trainer.recent) if trainer.recent else None,  # the last ten steps'
             train_rows=self.split["train_rows"] * s.epochs,
             train_seconds=round(seconds, 1),
             dead_share_training=trainer.dead_share(),
@@ -348,6 +356,8 @@ class Trainer:
         self.scale_in = self.scale_out = self.variance = None  # from the first rows seen
         self.since_fired = torch.zeros(s.features, dtype=torch.long)  # rows since each feature last fired
         self.last_loss = float("nan")
+        self.first: list[float] = []  # the first ten steps' losses, and the last ten, for the report
+        self.recent: deque[float] = deque(maxlen=10)
         self.aux_k = s.aux_k or min(2 * s.k, s.features)
 
     def _start(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -390,6 +400,9 @@ class Trainer:
         self.since_fired[fired] = 0
         self.step += 1
         self.last_loss = float(loss.detach())
+        if len(self.first) < 10:
+            self.first.append(self.last_loss)
+        self.recent.append(self.last_loss)
 
     def _adam(self, params: dict, grads: dict) -> None:
         names = list(params)
@@ -434,7 +447,14 @@ class Trainer:
         return d
 
     def progress(self) -> dict:
-        return {"step": self.step, "scale_in": self.scale_in, "scale_out": self.scale_out, "variance": self.variance}
+        return {
+            "step": self.step,
+            "scale_in": self.scale_in,
+            "scale_out": self.scale_out,
+            "variance": self.variance,
+            "first": self.first,
+            "recent": list(self.recent),
+        }
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"dictionary.{n}": p.detach().clone() for n, p in self.d.named_parameters()}
@@ -462,6 +482,7 @@ class Trainer:
             self.generator.set_state(tensors["generator"])
             self.step = int(progress["step"])
             self.scale_in, self.scale_out, self.variance = progress["scale_in"], progress["scale_out"], progress["variance"]
+            self.first, self.recent = list(progress["first"]), deque(progress["recent"], maxlen=10)
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise InputError(f"the training state cannot be used ({exc})") from None
 
