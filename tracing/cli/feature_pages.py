@@ -54,7 +54,7 @@ def add_parser(actions) -> None:
 
 def cmd_features(args: argparse.Namespace) -> int:
     from ..atlas.corpus import Corpus, Source
-    from ..dictionary import load
+    from ..dictionary import check_fits, load
     from ..dictionary.pages import PageSettings, feature_pages
     from ..tables import write_tables
     from ..tokenizer import Tokenizer
@@ -64,23 +64,36 @@ def cmd_features(args: argparse.Namespace) -> int:
 
     check_directory(args.out)
     settings = PageSettings(contexts=args.contexts, window=args.window, logit_tokens=args.logit_tokens).check()
+    if args.synthetic:
+        from model.config import ConfigError
+        from model.synthetic import synthetic_source
+
+        if args.tokenizer is None:
+            raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
+        try:
+            config = synthetic_source(args.synthetic, args.n_layers).args
+        except ConfigError as exc:
+            raise InputError(str(exc)) from None
+        tokenizer_dir = resolve_checkpoint(args.tokenizer)
+    else:
+        from model.checkpoint import SafetensorsSource
+
+        if args.tokenizer is not None or args.n_layers is not None:
+            raise InputError("--tokenizer and --n-layers apply to --synthetic")
+        tokenizer_dir = resolve_checkpoint(args.checkpoint)
+        config = SafetensorsSource(tokenizer_dir).args  # the config alone: weights load once the inputs are checked
+    if args.seq_len > config.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len}: this model takes at most {config.max_seq_len} positions")
     named = {}
     for directory in args.dictionary:
         name = Path(directory).resolve().name
         if name in named:
             raise InputError(f"two dictionaries named {name!r}: a page names each by its directory")
-        named[name] = load(directory)  # checked before the model loads
-    if args.synthetic:
-        if args.tokenizer is None:
-            raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
-        tokenizer = Tokenizer(resolve_checkpoint(args.tokenizer))
-    else:
-        if args.tokenizer is not None:
-            raise InputError("--tokenizer applies to --synthetic")
-        directory = resolve_checkpoint(args.checkpoint)
-        if not (directory / "tokenizer.json").is_file():
-            raise InputError(f"{directory} has no tokenizer.json: feature pages read text")
-        tokenizer = Tokenizer(directory)
+        named[name] = load(directory)
+        check_fits(named[name], config)  # before the model loads
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise InputError(f"{tokenizer_dir} has no tokenizer.json: feature pages read text")
+    tokenizer = Tokenizer(tokenizer_dir)
     sources = [Source(Path(f)) for f in args.text_file or ()] + [Source(Path(f), args.field) for f in args.jsonl or ()]
     corpus = Corpus(sources, tokenizer, args.seq_len, args.batch_size, args.max_tokens)
     survey = corpus.survey()  # every input read and checked before the model loads

@@ -3,13 +3,21 @@ are the dictionary applied by hand, test_features.py) give, counted by hand."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pandas as pd
+import pytest
 import torch
 
 from model import TINY
-from tracing.cli.loading import Loaded
+from model.checkpoint import SafetensorsSource
+from tracing.cli.commands import main
+from tracing.cli.loading import Loaded, resolve_checkpoint
+from tracing.dictionary import save
 from tracing.dictionary.pages import PageSettings, feature_pages
 from tracing.runner import TraceRequest, run
 from tracing.sites import FEATURES_TOPK
+from tracing.tables.files import PAGE_TABLES
 
 from .test_features import dictionary
 
@@ -72,3 +80,30 @@ def test_page_tables_are_the_traces_counted_by_hand(tiny_model):
     want = tiny_model.head(direction[None]).float()[0].topk(4)
     assert logits["token_id"].tolist() == want.indices.tolist()
     assert len(tables["feature_logits"]) == d.n_features * 2 * 4 and FEATURES_TOPK >= d.k
+
+
+def _pages_command(app_checkpoint, directory, out, *more) -> list[str]:
+    text = Path(__file__).resolve().parents[3] / "assets" / "demo" / "heldout_sample.txt"
+    return [
+        *("dictionary", "features", "--checkpoint", app_checkpoint, "--dictionary", str(directory)),
+        *("--text-file", str(text), "--out", str(out), *more),
+    ]
+
+
+def test_the_pages_command_refuses_a_dictionary_of_another_width_before_loading(app_checkpoint, tmp_path, capsys):
+    save(dictionary(width=TINY.dim + 8), tmp_path / "wide")
+    code = main(_pages_command(app_checkpoint, tmp_path / "wide", tmp_path / "out"))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "wide, but the model's stream is" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_pages_command_writes_every_table(app_checkpoint, tmp_path, capsys):
+    dim = SafetensorsSource(resolve_checkpoint(app_checkpoint)).args.dim
+    save(dictionary(width=dim, n=32, k=4), tmp_path / "resid")
+    code = main(_pages_command(app_checkpoint, tmp_path / "resid", tmp_path / "out", "--max-tokens", "128", "--seq-len", "64"))
+    assert code == 0, capsys.readouterr().err
+    for name in PAGE_TABLES:
+        frame = pd.read_csv(tmp_path / "out" / f"{name}.csv")
+        assert len(frame) and set(frame["dictionary"]) == {"resid"}, name
