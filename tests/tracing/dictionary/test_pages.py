@@ -102,8 +102,13 @@ def test_the_pages_command_refuses_a_dictionary_of_another_width_before_loading(
 def test_the_pages_command_writes_every_table(app_checkpoint, tmp_path, capsys):
     dim = SafetensorsSource(resolve_checkpoint(app_checkpoint)).args.dim
     save(dictionary(width=dim, n=32, k=4), tmp_path / "resid")
-    code = main(_pages_command(app_checkpoint, tmp_path / "resid", tmp_path / "out", "--max-tokens", "128", "--seq-len", "64"))
+    code = main(
+        _pages_command(
+            app_checkpoint, tmp_path / "resid", tmp_path / "out", "--max-tokens", "128", "--seq-len", "64", "--parquet"
+        )
+    )
     assert code == 0, capsys.readouterr().err
     for name in PAGE_TABLES:
         frame = pd.read_csv(tmp_path / "out" / f"{name}.csv")
         assert len(frame) and set(frame["dictionary"]) == {"resid"}, name
+        assert pd.read_parquet(tmp_path / "out" / f"{name}.parquet").shape == frame.shape, name
