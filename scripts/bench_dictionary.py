@@ -16,15 +16,15 @@ Cases:
   token ids, sequences of 512, batches of 2: ``--mid-batches`` batches of ``layers.3.resid_post``
   rows gathered into an ActivationBuffer bounded at ``--mid-buffer-mb`` and read back once. Reported:
   rows, bytes on disk, the most bytes of rows the buffer held in memory at once, and the process's
-  peak resident memory before and after (its growth is what the buffer cost on top of the model);
-  the bytes a row takes at the real model's width (7168) beside it.
+  resident memory before and (at most) while reading the buffer back. Then the real model's width:
+  random rows of 7168 filling ``--real-buffer-mb`` on disk, written and read back the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import sys
 import tempfile
 import time
@@ -57,10 +57,6 @@ def log(msg: str) -> None:
     print(f"[bench_dictionary {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def demo_case(text: Path, sizes: list[tuple[int, int]], max_tokens: int, epochs: int) -> list[dict]:
     loaded = open_checkpoint("demo")
     rows = []
@@ -79,13 +75,28 @@ def demo_case(text: Path, sizes: list[tuple[int, int]], max_tokens: int, epochs:
     return rows
 
 
-def mid_case(n_batches: int, buffer_mb: float) -> dict:
+def rss_mb() -> float:
+    """The process's resident memory now (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def read_back(buffer: ActivationBuffer, gen: torch.Generator) -> tuple[int, float]:
+    """Every row once in batches of 1024; the rows read and the most resident memory seen meanwhile."""
+    rows, most = 0, rss_mb()
+    for batch in buffer.batches(1024, gen):
+        rows += len(batch[0])
+        most = max(most, rss_mb())
+    return rows, most
+
+
+def mid_case(n_batches: int, buffer_mb: float, real_mb: float) -> dict:
     args = MID
     model = load_model(SyntheticSource(args, seed=0))
     loaded = Loaded(model, None, None, "synthetic:MID", torch.device("cpu"))
     source = LocalModel(loaded, "sae", "layers.3.resid_post", 3, skip_first=False)
     gen = torch.Generator().manual_seed(0)
-    before = peak_rss_mb()
+    out: dict = {"config": "model.config.MID", "dim": args.dim, "site": "layers.3.resid_post"}
     with tempfile.TemporaryDirectory() as tmp:
         buffer = ActivationBuffer(Path(tmp) / "buffer", args.dim, None, int(buffer_mb * 2**20))
         started = time.perf_counter()
@@ -95,24 +106,43 @@ def mid_case(n_batches: int, buffer_mb: float) -> dict:
             log(f"mid: batch {b + 1}/{n_batches}, {buffer.rows} rows")
         gathered = time.perf_counter() - started
         buffer.flush()
-        on_disk = buffer.bytes_on_disk
-        files = sum(p.stat().st_size for p in buffer.directory.iterdir())
-        read = sum(len(batch[0]) for batch in buffer.batches(1024, gen))
-    return {
-        "config": "model.config.MID",
-        "dim": args.dim,
-        "rows": read,
-        "row_bytes": buffer.row_bytes,
-        "bytes_on_disk": on_disk,
-        "file_bytes": files,
-        "chunk_rows": buffer.chunk_rows,
-        "buffer_bound_bytes": buffer.max_bytes,
-        "buffer_peak_memory_bytes": buffer.peak_bytes,
-        "process_peak_rss_mb_before": round(before, 1),
-        "process_peak_rss_mb_after": round(peak_rss_mb(), 1),
-        "gather_seconds": round(gathered, 1),
-        "real_width_row_bytes": 4 * REAL_DIM,
-    }
+        before = rss_mb()
+        rows, most = read_back(buffer, gen)
+        out.update(
+            rows=rows,
+            row_bytes=buffer.row_bytes,
+            bytes_on_disk=buffer.bytes_on_disk,
+            chunk_rows=buffer.chunk_rows,
+            buffer_bound_bytes=buffer.max_bytes,
+            buffer_peak_memory_bytes=buffer.peak_bytes,
+            rss_mb_before_reading=round(before, 1),
+            rss_mb_most_while_reading=round(most, 1),
+            gather_seconds=round(gathered, 1),
+        )
+    del model, loaded, source
+    # the real width: random rows of 7168, as many as fill --real-buffer-mb, written and read back
+    with tempfile.TemporaryDirectory() as tmp:
+        buffer = ActivationBuffer(Path(tmp) / "buffer", REAL_DIM, None, int(real_mb * 2**20))
+        before = rss_mb()
+        started = time.perf_counter()
+        while not buffer.full:
+            buffer.add(torch.randn(512, REAL_DIM, generator=gen))
+        buffer.flush()
+        written = time.perf_counter() - started
+        rows, most = read_back(buffer, gen)
+        out["real_width"] = {
+            "dim": REAL_DIM,
+            "rows": rows,
+            "row_bytes": buffer.row_bytes,
+            "bytes_on_disk": buffer.bytes_on_disk,
+            "chunk_rows": buffer.chunk_rows,
+            "buffer_peak_memory_bytes": buffer.peak_bytes,
+            "rss_mb_before": round(before, 1),
+            "rss_mb_most_while_reading": round(most, 1),
+            "write_seconds": round(written, 1),
+            "read_seconds": round(time.perf_counter() - started - written, 1),
+        }
+    return out
 
 
 def main() -> int:
@@ -124,6 +154,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--mid-batches", type=int, default=4, help="batches of 2 x 512 positions (default 4)")
     parser.add_argument("--mid-buffer-mb", type=float, default=64.0)
+    parser.add_argument("--real-buffer-mb", type=float, default=1024.0, help="random rows of width 7168 (default 1024)")
     parser.add_argument("--cases", default="demo,mid")
     opts = parser.parse_args()
     from bench_forward import cpu_name, load_average
@@ -147,7 +178,7 @@ def main() -> int:
             "sizes": demo_case(text, sizes, opts.max_tokens, opts.epochs),
         }
     if "mid" in cases:
-        result["mid"] = mid_case(opts.mid_batches, opts.mid_buffer_mb)
+        result["mid"] = mid_case(opts.mid_batches, opts.mid_buffer_mb, opts.real_buffer_mb)
     result["machine"]["load_average_end"] = load_average()
     print(json.dumps(result, indent=1))
     return 0

@@ -246,6 +246,7 @@ class TrainJob:
                     if index < where["batch"] or self.held_out(index, every):
                         continue
                     buffer.add(*source.rows(batch))
+                    bar.update(min(trainer.step, bar.total), f"gathering: {buffer.rows:,} positions in the buffer")
                     if buffer.full:
                         phase()
                         buffer.clear()

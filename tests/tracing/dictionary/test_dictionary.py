@@ -132,3 +132,12 @@ def test_saelens_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.allclose(ours.encode(x), theirs.encode(x), atol=1e-5)
         assert torch.allclose(ours(x), theirs(x), atol=1e-5)
+
+    cfg = sae_lens.TranscoderConfig(d_in=TINY.dim, d_sae=24, d_out=TINY.dim, apply_b_dec_to_input=False)
+    cfg.metadata.hook_name = "layers.2.ffn"
+    theirs = sae_lens.Transcoder(cfg)
+    theirs.save_model(tmp_path / "theirs-transcoder")
+    ours = load(tmp_path / "theirs-transcoder")
+    assert (ours.kind, ours.out_site, ours.k) == ("transcoder", "layers.2.ffn_out", 24)  # a ReLU: TopK over all
+    with torch.no_grad():
+        assert torch.allclose(ours(x), theirs(x), atol=1e-5)
