@@ -4,6 +4,7 @@ directory that holds no pages is one st.error."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from streamlit.testing.v1 import AppTest
@@ -81,3 +82,27 @@ def test_this_prompt_reads_the_sessions_prompt_with_a_dictionary_and_edits_a_fea
     assert set(features["feature"]) <= set(range(32)) and (features["activation"] > 0).all()
     assert not tokens["probability"].equals(tokens["edited_probability"])  # the edit moved the prediction
     assert "layers.1.resid_post:3+50" in messages(at.markdown)
+
+
+def test_pages_that_are_not_pages_are_one_line_and_search_takes_any_text(tmp_path):
+    from app.topics import features as topic
+
+    (tmp_path / "feature_summary.csv").write_text("dictionary,feature\nx,1\n")
+    for name in ("feature_contexts", "feature_logits"):
+        (tmp_path / f"{name}.csv").write_text("a\n1\n")
+    with pytest.raises(topic.PagesError, match="no column 'site': not a feature page's table"):
+        topic.read_pages(tmp_path, 1 << 20)
+    with pytest.raises(topic.PagesError, match="its tables are over the"):
+        topic.read_pages(tmp_path, 10)
+    (tmp_path / "feature_logits.csv").unlink()
+    with pytest.raises(topic.PagesError, match="no feature_logits.csv"):
+        topic.read_pages(tmp_path, 1 << 20)
+    contexts = pd.DataFrame({"dictionary": "d", "feature": [0, 1], "rank": 0, "activation": [2.0, 1.0]})
+    contexts["token"], contexts["context"] = ["'=SUM(A1)", "(["], ["x", "y"]
+    summary = pd.DataFrame({"dictionary": "d", "site": "s", "feature": [0, 1], "active_positions": 1, "density": 0.1})
+    summary["mean_activation"], summary["max_activation"] = 1.0, [2.0, 1.0]
+    logits = pd.DataFrame({c: [] for c in topic.NEEDED["feature_logits"]})
+    pages = topic.Pages({"feature_summary": summary, "feature_contexts": contexts, "feature_logits": logits})
+    assert topic.search(pages, "d", "([")["feature"].tolist() == [1]  # text, not a pattern
+    assert topic.search(pages, "d", "1")["feature"].tolist() == [1] and len(topic.search(pages, "d", " ")) == 2
+    assert topic._unguarded(contexts["token"]).tolist() == ["=SUM(A1)", "(["]  # the CSV's formula guard undone
