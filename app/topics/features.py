@@ -186,6 +186,18 @@ def bundled_dictionaries() -> list[str]:
     return sorted(p.name for p in DICTIONARIES.iterdir() if (p / "cfg.json").is_file())
 
 
+def served_dictionaries(model) -> dict[str, dict] | None:
+    """A model server's dictionaries by name (its /info: their site, kind and width), or None for a
+    model loaded here (which reads directories)."""
+    facts = getattr(model, "facts", None)
+    if facts is None:
+        return None
+    served = facts.get("dictionaries")
+    if not isinstance(served, dict):  # none, or what a server should not have said
+        return {}
+    return {str(name): info for name, info in served.items() if isinstance(info, dict) and isinstance(info.get("site"), str)}
+
+
 def edit_spec(site: str, feature: int, edit: str, amount: float, positions: str) -> str:
     """A feature edit as the request's ``features`` text (tracing.dictionary.features.parse_edits)."""
     how = {"zero": "=0", "scale": f"*{amount:g}", "add": f"{amount:+g}"}[edit]

@@ -143,8 +143,12 @@ def _this_prompt() -> None:
     if model is None:
         st.info("Choose a model in the sidebar: the prompt runs through it.", icon=":material/info:")
         return
-    bundled = topic.bundled_dictionaries()
-    choice = st.selectbox("Dictionary", [*bundled, topic.TYPED], key="feat_prompt_dictionary")
+    served = topic.served_dictionaries(model)  # a model server applies its own, named (serve --dictionaries)
+    if served is not None and not served:
+        st.info("This model server holds no dictionary: start it with `serve --dictionaries DIR`.", icon=":material/info:")
+        return
+    options = list(served) if served is not None else [*topic.bundled_dictionaries(), topic.TYPED]
+    choice = st.selectbox("Dictionary", options, key="feat_prompt_dictionary")
     typed = ""
     if choice == topic.TYPED:
         typed = st.text_input(
@@ -166,20 +170,24 @@ def _this_prompt() -> None:
         try:
             from tracing.dictionary import load
 
-            if choice == topic.TYPED:  # under the roots, what it holds is refused alike (app.core.paths)
+            if served is not None:  # the server's, by name
+                d, site = choice, served[choice]["site"]
+            elif choice == topic.TYPED:  # under the roots, what it holds is refused alike (app.core.paths)
                 with paths.refused_alike(DICTIONARY, typed, (*BAD_INPUT, OSError, ValueError)):
                     d = load(paths.confine(Path(typed.strip()).expanduser(), DICTIONARY, "cfg.json"))
+                site = d.site
             else:
                 d = load(topic.DICTIONARIES / choice)
+                site = d.site
             prompt = st.session_state.get("prompt", settings.DEFAULT_PROMPT)
-            spec = topic.edit_spec(d.site, feature, edit, amount, positions)
+            spec = topic.edit_spec(site, feature, edit, amount, positions)
             plain = model.trace(TraceRequest(prompt=prompt, record=("logits.last",), dictionaries=(d,)), None, model.max_tokens())
             edited = model.trace(
                 TraceRequest(prompt=prompt, record=("logits.last",), dictionaries=(d,), interventions={"features": spec}),
                 None,
                 model.max_tokens(),
             )
-            st.session_state["feat_traced"] = (d.site, spec, plain, edited)
+            st.session_state["feat_traced"] = (site, spec, plain, edited)
         except (*BAD_INPUT, OSError, ValueError) as exc:
             st.error(f"**Not traced.** {widgets.escape_md(str(exc))}", icon=":material/error:")
             return

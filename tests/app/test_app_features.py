@@ -106,3 +106,20 @@ def test_pages_that_are_not_pages_are_one_line_and_search_takes_any_text(tmp_pat
     assert topic.search(pages, "d", "([")["feature"].tolist() == [1]  # text, not a pattern
     assert topic.search(pages, "d", "1")["feature"].tolist() == [1] and len(topic.search(pages, "d", " ")) == 2
     assert topic._unguarded(contexts["token"]).tolist() == ["=SUM(A1)", "(["]  # the CSV's formula guard undone
+
+
+def test_a_servers_dictionaries_are_named_from_its_info_and_a_malformed_list_is_none():
+    from types import SimpleNamespace
+
+    from app.topics import features as topic
+
+    info = {"resid": {"site": "layers.1.resid_post", "kind": "sae", "n_features": 32, "k": 4}, "bad": {"site": 3}}
+    assert topic.served_dictionaries(SimpleNamespace(facts={"dictionaries": info})) == {"resid": info["resid"]}
+    assert topic.served_dictionaries(SimpleNamespace(facts={"dictionaries": ["resid"]})) == {}
+    assert topic.served_dictionaries(SimpleNamespace()) is None  # a model loaded here reads directories
+    assert topic.edit_spec("layers.1.resid_post", 3, "add", -2.5, " 4:9 ") == "layers.1.resid_post:3-2.5@4:9"
+    assert topic.edit_spec("layers.2.ffn", 7, "scale", 0.5, "") == "layers.2.ffn:7*0.5"
+    from tracing.analyses.intervention_specs import from_spec
+
+    (edit,) = from_spec({"features": topic.edit_spec("layers.1.resid_post", 3, "add", -2.5, "4:9")})
+    assert (edit.site, edit.feature, edit.scale, edit.add, edit.positions) == ("layers.1.resid_post", 3, 1.0, -2.5, (4, 9))
