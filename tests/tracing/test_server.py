@@ -132,11 +132,13 @@ def test_features_over_http_name_the_servers_dictionaries(served, tmp_path):
             post(client, dataclasses.replace(request, dictionaries=(name,)))
             for name in ("other", str(tmp_path / "good" / "resid"))
         ]
+        beyond = post(client, dataclasses.replace(request, interventions={"features": "layers.1.resid_post:32=0"}))
     finally:
         state.model.dictionaries = {}
     assert answer.status_code == 200, answer.text
     want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label}, dictionaries=catalogue)
     assert read_answer(iter([answer.content])) == want.to_bytes() and "layers.1.resid_post.features.top_ids" in want.tensors
+    assert beyond.status_code == 422 and "has features 0..31" in beyond.json()["error"]  # before the queue
     for answer in refused:
         assert answer.status_code == 422 and "not one of this server's (resid)" in answer.json()["error"]
     answer = post(client, request)  # the server holds none now
