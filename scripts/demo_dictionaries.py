@@ -69,7 +69,7 @@ def render(card: dict) -> str:
             f"{r['l0']:.1f} | {r['dead_share']:.1%} | {r['clean_loss']:.3f} → {r['spliced_loss']:.3f} "
             f"(+{r['loss_increase']:.3f}) | {r['steps']} steps, {r['train_seconds']:.0f} s |"
         )
-    lines += ["", "Commands (`{text}`: the text above, `{out}`: the directory):", ""]
+    lines += ["", "Commands (`{text}`: the text above):", ""]
     for name, entry in card["dictionaries"].items():
         lines += [f"- `{name}`: `{entry['command']}`"]
     lines += [
@@ -79,6 +79,12 @@ def render(card: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def rerender(out: Path = OUT) -> None:
+    """README.md again from card.json (no training)."""
+    card = json.loads((out / "card.json").read_text(encoding="utf-8"))
+    (out / "README.md").write_text(render(card), encoding="utf-8")
 
 
 def main() -> int:

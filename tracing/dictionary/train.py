@@ -443,8 +443,6 @@ class Trainer:
             d.b_enc.copy_(self.d.b_enc / self.scale_out)
             d.W_dec.copy_(self.d.W_dec)
             d.b_dec.copy_(self.d.b_dec / self.scale_out)
-        if self.s.kind == "sae":  # one scale: (x s - b') W = (x - b'/s) W s
-            assert self.scale_in == self.scale_out
         return d
 
     def progress(self) -> dict:

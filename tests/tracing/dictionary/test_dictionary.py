@@ -141,3 +141,23 @@ def test_saelens_round_trip(tmp_path):
     assert (ours.kind, ours.out_site, ours.k) == ("transcoder", "layers.2.ffn_out", 24)  # a ReLU: TopK over all
     with torch.no_grad():
         assert torch.allclose(ours(x), theirs(x), atol=1e-5)
+
+
+def test_the_bundled_dictionaries_fit_the_demo():
+    from tracing.cli.loading import DEMO, REPO
+
+    if not (DEMO / "config.json").is_file():
+        pytest.skip("assets/demo is not there")
+    from model.checkpoint import SafetensorsSource
+
+    args = SafetensorsSource(DEMO).args
+    bundled = REPO / "assets" / "dictionaries"
+    found = {}
+    for directory in sorted(p for p in bundled.iterdir() if p.is_dir()):
+        d = load(directory)
+        check_fits(d, args)
+        found[d.site] = d.kind
+        report = json.loads((directory / "report.json").read_text())
+        assert report["site"] == d.site and report["variance_explained"] > 0.3
+    assert found == {"layers.1.resid_post": "sae", "layers.2.ffn": "transcoder"}
+    assert sum(f.stat().st_size for f in bundled.rglob("*")) <= 5 * 2**20
