@@ -60,26 +60,36 @@ def test_the_features_page_opens_pages_and_a_link_reopens_the_view(tiny_model, a
 
 
 @pytest.mark.slow
-def test_this_prompt_reads_the_sessions_prompt_with_a_dictionary_and_edits_a_feature(app_checkpoint, monkeypatch, tmp_path):
+@pytest.mark.parametrize("bundled", [True, False], ids=["bundled", "typed"])
+def test_this_prompt_reads_the_sessions_prompt_with_a_dictionary_and_edits_a_feature(
+    app_checkpoint, monkeypatch, tmp_path, bundled
+):
+    """The demo's bundled autoencoder of layers.1.resid_post (1024 features), or one typed."""
+    from app.topics import features as topic
     from model.checkpoint import SafetensorsSource
     from tracing.cli.loading import resolve_checkpoint
     from tracing.dictionary import save
 
+    if bundled and "layers_1_resid_post" not in topic.bundled_dictionaries():
+        pytest.skip("assets/dictionaries is not built")
     dim = SafetensorsSource(resolve_checkpoint(app_checkpoint)).args.dim
     save(dictionary(site="layers.1.resid_post", n=32, k=4, width=dim), tmp_path / "resid")
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
     at.query_params.update({"prompt": "It is a truth", "feat_section": "This prompt"})
     raised_nothing(at.run().switch_page(PAGE).run())
-    at.selectbox(key="feat_prompt_dictionary").set_value("a directory").run()
-    at.text_input(key="feat_dict_dir").set_value(str(tmp_path / "resid")).run()
+    if bundled:
+        at.selectbox(key="feat_prompt_dictionary").set_value("layers_1_resid_post").run()
+    else:
+        at.selectbox(key="feat_prompt_dictionary").set_value("a directory").run()
+        at.text_input(key="feat_dict_dir").set_value(str(tmp_path / "resid")).run()
     at.number_input(key="feat_id").set_value(3)
     at.selectbox(key="feat_edit").set_value("add").run()
     at.number_input(key="feat_amount").set_value(50.0).run()
     raised_nothing(at.button(key="feat_run").click().run())
     assert not at.error, messages(at.error)
     features, tokens = at.dataframe[0].value, at.dataframe[1].value
-    assert set(features["feature"]) <= set(range(32)) and (features["activation"] > 0).all()
+    assert set(features["feature"]) <= set(range(1024 if bundled else 32)) and (features["activation"] > 0).all()
     assert not tokens["probability"].equals(tokens["edited_probability"])  # the edit moved the prediction
     assert "layers.1.resid_post:3+50" in messages(at.markdown)
 
