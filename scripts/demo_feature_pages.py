@@ -6,7 +6,7 @@ app's Features page opens without a corpus run:
 The same as ``python -m tracing dictionary features --checkpoint demo --dictionary
 assets/dictionaries/<each> --text-file assets/demo/heldout_sample.txt --out assets/dictionaries/pages``
 (the held-out sample: text the dictionaries were not trained on), with fewer contexts and tokens
-per feature, so the tables stay small.
+per feature, and the Parquet tables only (0.7 MB where the CSV are 3.5 MB).
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ def main() -> int:
     for directory in found:
         command += ["--dictionary", str(directory)]
     command += ["--text-file", str(REPO / "assets" / "demo" / "heldout_sample.txt"), "--max-tokens", str(args.max_tokens)]
-    command += ["--contexts", "5", "--window", "6", "--logit-tokens", "5", "--out", str(DICTIONARIES / "pages")]
-    return subprocess.call(command, cwd=REPO)
+    command += ["--contexts", "5", "--window", "6", "--logit-tokens", "5", "--parquet", "--out", str(DICTIONARIES / "pages")]
+    code = subprocess.call(command, cwd=REPO)
+    for csv in (DICTIONARIES / "pages").glob("*.csv"):  # the Parquet tables alone: a fifth of the bytes
+        csv.unlink()
+    return code
 
 
 if __name__ == "__main__":

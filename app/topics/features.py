@@ -58,17 +58,31 @@ class Pages:
         return frame[frame["dictionary"].astype(str) == dictionary].drop(columns="dictionary")
 
 
+def _files(folder: Path) -> dict[str, Path]:
+    """Each table's file: its Parquet where there is one (typed, smaller: the bundled pages), else its CSV."""
+    out = {}
+    for name in PAGE_TABLES:
+        for ext in ("parquet", "csv"):
+            if (folder / f"{name}.{ext}").is_file():
+                out[name] = folder / f"{name}.{ext}"
+                break
+    return out
+
+
+def bundled_pages() -> bool:
+    return "feature_summary" in _files(BUNDLED)
+
+
 def stamp(path: str) -> tuple:
     """The tables' names, sizes and times: what tells rewritten pages from the ones read."""
-    files = [Path(path) / f"{name}.csv" for name in PAGE_TABLES]
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in _files(Path(path)).values())
 
 
 def read_pages(directory: str | os.PathLike, limit: int) -> Pages:
-    """The pages in ``directory`` (their CSV tables), each checked for the columns its views read;
-    nothing over ``limit`` bytes in all is read."""
+    """The pages in ``directory`` (their tables, Parquet or CSV), each checked for the columns its
+    views read; nothing over ``limit`` bytes in all is read."""
     folder = Path(directory)
-    files = {name: folder / f"{name}.csv" for name in PAGE_TABLES if (folder / f"{name}.csv").is_file()}
+    files = _files(folder)
     missing = [name for name in REQUIRED if name not in files]
     if missing:
         raise PagesError(f"{folder.name or folder}: no {missing[0]}.csv (write pages with python -m tracing dictionary features)")
@@ -77,13 +91,16 @@ def read_pages(directory: str | os.PathLike, limit: int) -> Pages:
     tables = {}
     for name, path in files.items():
         try:
-            frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
-        except (ValueError, OSError, UnicodeDecodeError) as exc:
+            if path.suffix == ".parquet":
+                frame = pd.read_parquet(path)
+            else:
+                frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types for damaged files
             raise PagesError(f"{path.name}: not a readable table ({str(exc).splitlines()[0][:120]})") from None
         lacking = [c for c in NEEDED[name] if c not in frame.columns]
         if lacking:
             raise PagesError(f"{path.name}: no column {lacking[0]!r}: not a feature page's table")
-        if "token" in frame.columns:  # the CSV's guard against spreadsheet formulas, undone for reading
+        if "token" in frame.columns and path.suffix == ".csv":  # the CSV's guard against formulas, undone
             frame["token"] = _unguarded(frame["token"])
         tables[name] = frame
     return Pages(tables)

@@ -30,7 +30,7 @@ def _open() -> topic.Pages | None:
     """The pages the sidebar names, or None after saying why not."""
     with st.sidebar:
         st.markdown("#### Feature pages")
-        sources = ("bundled", "dir") if (topic.BUNDLED / topic.SUMMARY).is_file() else ("dir",)
+        sources = ("bundled", "dir") if topic.bundled_pages() else ("dir",)
         if st.session_state.get("feat_source") not in sources:
             st.session_state["feat_source"] = sources[0]
         source = st.radio("Pages source", sources, key="feat_source", format_func=SOURCE_LABELS.get)

@@ -10,6 +10,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from app.core import settings
+from app.topics import features as topic
 from model import TINY
 from tests.app.apptest import APP, TIMEOUT, messages, raised_nothing
 from tests.tracing.dictionary.test_features import dictionary
@@ -32,7 +33,8 @@ def test_the_features_page_opens_pages_and_a_link_reopens_the_view(tiny_model, a
 
     monkeypatch.setenv(settings.ENV_CHECKPOINT, app_checkpoint)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.query_params["source"] = "dir"  # no checkpoint typed: no model loads, no prompt is traced (the page needs none)
+    # no checkpoint typed: no model loads, no prompt is traced (the page needs none); the pages from a directory
+    at.query_params.update({"source": "dir", "feat_source": "dir"})
     raised_nothing(at.run().switch_page(PAGE).run())
     at.text_input(key="feat_dir").set_value(str(tmp_path / "pages")).run()
     assert not at.error, messages(at.error)
@@ -57,6 +59,12 @@ def test_the_features_page_opens_pages_and_a_link_reopens_the_view(tiny_model, a
 
     again.text_input(key="feat_dir").set_value(str(tmp_path)).run()  # no pages there
     assert "Pages not opened" in messages(again.error) and "feature_summary.csv" in messages(again.error)
+    if topic.bundled_pages():  # the demo's dictionaries' pages open without a directory
+        raised_nothing(again.radio(key="feat_source").set_value("bundled").run())
+        assert not again.error, messages(again.error)
+        assert set(again.selectbox(key="feat_dictionary").options) == set(topic.bundled_dictionaries())
+        # the feature's 5 contexts, 5 promoted and 5 suppressed tokens, and its experts
+        assert [len(t.value) for t in again.dataframe[:3]] == [5, 5, 5] and len(again.dataframe) == 4
 
 
 @pytest.mark.slow

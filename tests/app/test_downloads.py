@@ -22,9 +22,7 @@ from app.ui import widgets
 from tests.app.apptest import raised_nothing, start
 from tests.chromium import CHROMIUM
 
-SHOWN = [
-    p for p in pages.PAGES if p.name not in ("interventions", "patching", "features")
-]  # those draw after a button press (features: once pages are named)
+SHOWN = [p for p in pages.PAGES if p.name not in ("interventions", "patching")]  # those draw after a button press
 
 
 @pytest.fixture(scope="module")
