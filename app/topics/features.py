@@ -130,6 +130,31 @@ def search(pages: Pages, dictionary: str, query: str) -> pd.DataFrame:
     return summary[summary["feature"].isin(hits)].reset_index(drop=True)
 
 
+def overview_figure(summary: pd.DataFrame, dictionary: str) -> go.Figure:
+    """Each feature: how often it is active (x) against how much its positions favour one expert of
+    the next MoE block over that expert's base rate (y: share / base), its strongest activation the size."""
+    shown = summary[summary["active_positions"] > 0]
+    routed = "top_expert_share" in shown.columns and shown["top_expert_share"].notna().any()
+    y = (shown["top_expert_share"] / shown["top_expert_base"]) if routed else shown["mean_activation"]
+    size = 4 + 12 * shown["max_activation"] / max(float(shown["max_activation"].max() or 1), 1e-9)
+    points = {
+        "type": "scatter",
+        "mode": "markers",
+        "x": shown["density"].tolist(),
+        "y": y.tolist(),
+        "text": [f"feature {int(f)}" for f in shown["feature"]],
+        "marker": {"size": size.tolist(), "color": COLORS["moe"], "opacity": 0.6},
+        "hovertemplate": "%{text}<br>density %{x:.3%}<br>%{y:.2f}<extra></extra>",
+    }
+    what = "its top expert's share over the base rate" if routed else "mean activation"
+    return figure(
+        [points],
+        f"{dictionary}: each feature's density against {what}",
+        xaxis={"title": {"text": "share of positions where it is active"}, "type": "log"},
+        yaxis={"title": {"text": what}},
+    )
+
+
 def one_feature(pages: Pages, dictionary: str, feature: int) -> dict | None:
     """Everything the pages say of one feature, or None where the dictionary has no such feature."""
     summary = pages.of("feature_summary", dictionary)
@@ -263,5 +288,6 @@ KEYS: tuple[Key, ...] = (
     Key("feat_run", "Features: the button that traces the prompt with the dictionary"),
     Key("feat_traced", "Features: the prompt's plain and edited traces, and what they were asked"),
     Key("feat_experts_figure", "Features: the feature's experts figure"),
+    Key("feat_overview", "Features: the features' density and routing figure"),
     Key("feat_csv_", "Features: a table's CSV button (the table)", family=True),
 )

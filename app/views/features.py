@@ -89,6 +89,8 @@ def _features(pages: topic.Pages, dictionary: str) -> None:
         "contexts or promoted tokens hold it. `density`: the share of the corpus's positions where it is active; "
         "`top_expert_share` against `top_expert_base`: its positions' routing against the block's."
     )
+    if frame["active_positions"].gt(0).any():
+        widgets.chart(topic.overview_figure(frame, dictionary), key="feat_overview")
     widgets.table(st, frame, f"{dictionary}-features")
     widgets.csv_button(st, frame, f"{dictionary}-features.csv", key="feat_csv_features")
 
