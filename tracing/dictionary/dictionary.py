@@ -305,6 +305,8 @@ def _from_cfg(cfg: dict, directory: Path) -> Dictionary:
     except DictionaryError as exc:
         raise DictionaryError(f"{where}: metadata.hook_name: {exc}") from None
     d_sae = cfg.get("d_sae")
+    if architecture == "topk" and "k" not in cfg:
+        raise DictionaryError(f"{where}: a 'topk' dictionary without k")
     # a ReLU dictionary is TopK over all its features
     k = cfg.get("k", d_sae) if architecture != "standard" else d_sae
     ours = {key: value for key, value in metadata.items() if key not in ("hook_name", "hook_name_out", "kind")}

@@ -89,6 +89,13 @@ def test_refusals_are_one_line(tmp_path):
 
     assert "hook_name" in _refused(tmp_path / "hook", foreign_hook)
 
+    def no_k(directory):
+        cfg = json.loads((directory / CFG_NAME).read_text())
+        del cfg["k"]
+        (directory / CFG_NAME).write_text(json.dumps(cfg))
+
+    assert "without k" in _refused(tmp_path / "nok", no_k)
+
     def huge_width(directory):
         cfg = json.loads((directory / CFG_NAME).read_text())
         cfg["d_sae"] = 1 << 23
