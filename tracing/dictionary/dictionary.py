@@ -193,10 +193,12 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Dictio
     """The dictionary in ``directory``; DictionaryError (one line) for anything it cannot be."""
     directory = Path(directory)
     cfg = _read_cfg(directory)
-    d = _from_cfg(cfg, directory)
+    with torch.device("meta"):  # shapes only: nothing is allocated until the file is known to hold them
+        d = _from_cfg(cfg, directory)
     expected = {name: tuple(p.shape) for name, p in d.named_parameters()}
     weights = directory / WEIGHTS_NAME
     read_header(weights, expected)
+    d = d.to_empty(device="cpu")
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
