@@ -193,10 +193,12 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Dictio
     """The dictionary in ``directory``; DictionaryError (one line) for anything it cannot be."""
     directory = Path(directory)
     cfg = _read_cfg(directory)
-    d = _from_cfg(cfg, directory)
+    with torch.device("meta"):  # shapes only: nothing is allocated until the file is known to hold them
+        d = _from_cfg(cfg, directory)
     expected = {name: tuple(p.shape) for name, p in d.named_parameters()}
     weights = directory / WEIGHTS_NAME
     read_header(weights, expected)
+    d = d.to_empty(device="cpu")
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
@@ -305,6 +307,8 @@ def _from_cfg(cfg: dict, directory: Path) -> Dictionary:
     except DictionaryError as exc:
         raise DictionaryError(f"{where}: metadata.hook_name: {exc}") from None
     d_sae = cfg.get("d_sae")
+    if architecture == "topk" and "k" not in cfg:
+        raise DictionaryError(f"{where}: a 'topk' dictionary without k")
     # a ReLU dictionary is TopK over all its features
     k = cfg.get("k", d_sae) if architecture != "standard" else d_sae
     ours = {key: value for key, value in metadata.items() if key not in ("hook_name", "hook_name_out", "kind")}

@@ -78,6 +78,13 @@ def test_refusals_are_one_line(tmp_path):
         (directory / CFG_NAME).write_text(json.dumps(cfg))
 
     assert "shape" in _refused(tmp_path / "shape", wrong_shape)
+
+    def claims_a_million(directory):  # about a GiB of weights claimed: refused by the header, nothing allocated
+        cfg = json.loads((directory / CFG_NAME).read_text())
+        cfg["d_sae"] = 1 << 20
+        (directory / CFG_NAME).write_text(json.dumps(cfg))
+
+    assert "shape" in _refused(tmp_path / "million", claims_a_million)
     assert "no sae_weights" in _refused(tmp_path / "missing", lambda d: (d / WEIGHTS_NAME).unlink())
     assert "no cfg.json" in _refused(tmp_path / "nocfg", lambda d: (d / CFG_NAME).unlink())
     assert "not JSON" in _refused(tmp_path / "badjson", lambda d: (d / CFG_NAME).write_text("{"))
@@ -88,6 +95,13 @@ def test_refusals_are_one_line(tmp_path):
         (directory / CFG_NAME).write_text(json.dumps(cfg))
 
     assert "hook_name" in _refused(tmp_path / "hook", foreign_hook)
+
+    def no_k(directory):
+        cfg = json.loads((directory / CFG_NAME).read_text())
+        del cfg["k"]
+        (directory / CFG_NAME).write_text(json.dumps(cfg))
+
+    assert "without k" in _refused(tmp_path / "nok", no_k)
 
     def huge_width(directory):
         cfg = json.loads((directory / CFG_NAME).read_text())

@@ -10,7 +10,7 @@ import torch
 from tracing.atlas.corpus import Source
 from tracing.cli.commands import main
 from tracing.cli.loading import DEMO, open_checkpoint
-from tracing.dictionary import Dictionary, load
+from tracing.dictionary import Dictionary, load, train
 from tracing.dictionary.buffer import ActivationBuffer
 from tracing.dictionary.sources import LocalModel
 from tracing.dictionary.train import STATE, Settings, Trainer, TrainJob
@@ -37,7 +37,7 @@ def job(demo, out, **settings) -> TrainJob:
 @pytest.fixture(scope="module")
 def trained(demo, tmp_path_factory):
     out = tmp_path_factory.mktemp("dict") / "sae"
-    return out, job(demo, out).run(demo)
+    return out, train(demo, [SAMPLE], out, site="layers.1.resid_post", **TINY)  # the Python API: job(demo, out).run(demo)
 
 
 def test_training_learns_and_saves_what_it_reports(trained, demo):
