@@ -182,7 +182,9 @@ class TraceRequest:
     def to_json(self) -> str:
         """Every field but the patches (and the graph's tensors), as JSON."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("patches", "graph")}
-        data["dictionaries"] = [_dictionary_name(d) for d in self.dictionaries]
+        data.pop("dictionaries")
+        if self.dictionaries:  # only when named: a request without them reads as it did on any server
+            data["dictionaries"] = [_dictionary_name(d) for d in self.dictionaries]
         if self.graph is not None:
             data["graph"] = self.graph.to_dict()
         try:
