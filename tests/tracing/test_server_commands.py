@@ -22,9 +22,13 @@ CLEAN, CORRUPT = "The cat sat on the mat", "The dog sat on the mat"  # one token
 PROMPT = "It is a truth universally acknowledged"
 
 
+SERVED: dict = {}  # the server's state, for a test that gives it dictionaries for a while
+
+
 @pytest.fixture(scope="module")
 def server(app_checkpoint):
-    with listening(app_checkpoint) as (url, _, _):
+    with listening(app_checkpoint) as (url, state, _):
+        SERVED["state"] = state
         yield url
 
 
@@ -95,6 +99,29 @@ def test_run_graph_on_a_server_writes_the_local_trace(server, app_checkpoint, tm
     with Client(server) as client:
         assert client.trace(prompt=PROMPT, generate=2, graph=Graph.load(graph)).to_bytes() == local
     assert Trace.load(tmp_path / "l.safetensors").extra["graph"]["tensors"]["direction"]["sha256"]
+
+
+def test_run_with_a_dictionary_on_a_server_writes_the_local_trace(server, app_checkpoint, tmp_path):
+    """run --dictionary NAME --feature ... through the server (its own dictionary, by name) writes the
+    trace run --dictionary DIR writes here, to the byte."""
+    import torch
+
+    from tracing.dictionary import Dictionary, save
+    from tracing.dictionary.features import load_catalogue
+
+    state = SERVED["state"]
+    d = Dictionary("sae", "layers.1.resid_post", state.model.loaded.model.args.dim, 32, 4)
+    save(d.init_weights(torch.Generator().manual_seed(1)), tmp_path / "dicts" / "resid")
+    argv = ["run", "--prompt", PROMPT, "--feature", "layers.1.resid_post:5*0@3:"]
+    local = ["--checkpoint", app_checkpoint, "--dictionary", str(tmp_path / "dicts" / "resid")]
+    assert main([*argv, *local, "--out", str(tmp_path / "l.safetensors")]) == 0
+    state.model.dictionaries = load_catalogue(tmp_path / "dicts", state.model.loaded.model.args)
+    try:
+        assert main([*argv, "--server", server, "--dictionary", "resid", "--out", str(tmp_path / "r.safetensors")]) == 0
+    finally:
+        state.model.dictionaries = {}
+    assert (tmp_path / "r.safetensors").read_bytes() == (tmp_path / "l.safetensors").read_bytes()
+    assert "layers.1.resid_post.features.top_ids" in Trace.load(tmp_path / "l.safetensors").tensors
 
 
 @pytest.mark.parametrize(
