@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from .trace import Trace
 from .tracer import Tracer
 
 # what tracing.analyses.intervention_specs.from_spec reads
-INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention", "no_act_fp8", "at")
+INTERVENTION_KEYS = ("ablate", "zero_experts", "ablate_heads", "no_bias", "attention", "no_act_fp8", "at", "features")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,11 @@ class TraceRequest:
     every pass; its constant tensors travel beside the JSON as the patches do. ``gradient_of`` (target, contrast token ids): a
     backward pass after the forward records the gradient of the last position's logit difference
     with respect to the ``grad.*`` sites (all of them unless ``record`` names some;
-    tracing.analyses.patching's ``method="gradient"``).
+    tracing.analyses.patching's ``method="gradient"``). ``dictionaries``: sparse dictionaries
+    (tracing.dictionary) to apply where they read: their directories (on a server: the names of the
+    server's own), or Dictionary objects (not part of the JSON form); their features are recorded
+    (``<site>.features.*``) and ``interventions["features"]`` edits them
+    (tracing.dictionary.features).
 
     A setting that belongs to another is refused without it (sampling without ``generate``, a
     position without ``attribute``, ``thinking`` without ``chat``): one rule, so nothing is ignored
@@ -91,11 +96,13 @@ class TraceRequest:
     gradient_of: tuple[int, int] | None = None
     patches: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
     graph: Graph | None = field(default=None, hash=False)
+    dictionaries: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "graph", graph_of(self.graph))
         if isinstance(self.record, str):
             object.__setattr__(self, "record", tuple(p.strip() for p in self.record.split(",") if p.strip()))
+        object.__setattr__(self, "dictionaries", tuple(self.dictionaries or ()))
         for name in ("token_ids", "gradient_of"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -154,6 +161,10 @@ class TraceRequest:
             raise InputError(f"--patch applies to one prefill of every position: it cannot be combined with {what}")
         if self.graph is not None:
             self.graph.check()
+        from .dictionary.features import MAX_DICTIONARIES
+
+        if len(self.dictionaries) > MAX_DICTIONARIES:
+            raise InputError(f"{len(self.dictionaries)} dictionaries: a run takes at most {MAX_DICTIONARIES}")
         return self
 
     def sampling(self) -> Sampling:
@@ -171,6 +182,9 @@ class TraceRequest:
     def to_json(self) -> str:
         """Every field but the patches (and the graph's tensors), as JSON."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("patches", "graph")}
+        data.pop("dictionaries")
+        if self.dictionaries:  # only when named: a request without them reads as it did on any server
+            data["dictionaries"] = [_dictionary_name(d) for d in self.dictionaries]
         if self.graph is not None:
             data["graph"] = self.graph.to_dict()
         try:
@@ -201,9 +215,9 @@ class TraceRequest:
             value = data.get(name)
             if value is not None and not (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
                 raise InputError(f"request field {name!r} has the wrong type ({type(value).__name__})")
-        for name in ("token_ids", "record", "gradient_of"):
+        for name in ("token_ids", "record", "gradient_of", "dictionaries"):
             if data.get(name) is not None:
-                item = str if name == "record" else int
+                item = str if name in ("record", "dictionaries") else int
                 if not all(isinstance(v, item) and not isinstance(v, bool) for v in data[name]):
                     raise InputError(f"request field {name!r} must be a list of {item.__name__}")
                 data[name] = tuple(data[name])
@@ -235,7 +249,15 @@ _TYPES = {
     "patch_positions": (str,),
     "graph": (dict,),
     "gradient_of": (list,),
+    "dictionaries": (list,),
 }
+
+
+def _dictionary_name(entry: Any) -> str:
+    """How a dictionary travels in JSON: its name (a server's) or directory; an object has neither."""
+    if isinstance(entry, str | os.PathLike):
+        return os.fspath(entry)
+    raise InputError("a Dictionary object does not travel as JSON: name the server's dictionary (or its directory)")
 
 
 def token_id(flag: str, value: int | str | None, tokenizer: Tokenizer | None) -> int | None:
@@ -287,6 +309,7 @@ def run(
     context: AbstractContextManager | None = None,
     plan=None,
     hooks: Mapping[str, Callable[[torch.Tensor, PassContext], torch.Tensor | None]] | None = None,
+    dictionaries: Mapping[str, Any] | None = None,
 ) -> Trace:
     """Carry out ``request`` on ``model`` (its tokenizer encodes a prompt and names the tokens):
     checked, encoded, its target and contrast resolved, its interventions built, then traced
@@ -295,7 +318,10 @@ def run(
 
     ``hooks``: your functions at hook points, ``{site: fn}``, ``fn(value, ctx)`` returning None or
     the value the model uses instead (tracing.analyses.interventions.HookFunctions); they run after
-    the request's patches and interventions, and the trace records what they return."""
+    the request's patches and interventions, and the trace records what they return.
+
+    ``dictionaries``: the catalogue the request's dictionaries are named from (a server's: names,
+    never paths); without it they are directories (or Dictionary objects)."""
     request.check()
     sampling = request.sampling().seeded()
     if plan is not None and plan.world > 1 and not sampling.greedy and request.seed is None:
@@ -304,7 +330,8 @@ def run(
         sampling = dataclasses.replace(sampling, seed=broadcast_int(sampling.seed))
     ids = encode(request, tokenizer)
     attribution = attribution_of(request, tokenizer)
-    interventions, patches = interventions_of(request)
+    chosen = dictionaries_of(request, model, dictionaries, device)
+    interventions, patches = interventions_of(request, chosen, model)
     if hooks:
         interventions.append(HookFunctions(hooks))
     check_positions(interventions, len(ids) + request.generate)
@@ -330,7 +357,20 @@ def run(
         attribution=attribution,
         on_step=on_step,
         gradient=request.gradient_of,
+        dictionaries=chosen,
+        dictionary_names=request.dictionaries,
     )
+
+
+def dictionaries_of(request: TraceRequest, model, catalogue: Mapping[str, Any] | None = None, device=None) -> dict[str, Any]:
+    """The request's dictionaries by the site each reads, loaded and checked against the model."""
+    if not request.dictionaries:
+        return {}
+    from .dictionary.features import resolve
+
+    if device is None and model.embed.weight.device.type != "meta":
+        device = model.embed.weight.device
+    return resolve(request.dictionaries, model.args, catalogue, device)
 
 
 def attribution_of(request: TraceRequest, tokenizer: Tokenizer | None) -> AttributionRequest | None:
@@ -343,9 +383,16 @@ def attribution_of(request: TraceRequest, tokenizer: Tokenizer | None) -> Attrib
     return AttributionRequest(request.position, target, contrast)
 
 
-def interventions_of(request: TraceRequest) -> tuple[list[Intervention], Mapping[str, torch.Tensor] | None]:
-    """A request's interventions, and the patches put in whole (those at chosen positions are a PatchAt)."""
+def interventions_of(
+    request: TraceRequest, dictionaries: Mapping[str, Any] | None = None, model=None
+) -> tuple[list[Intervention], Mapping[str, torch.Tensor] | None]:
+    """A request's interventions, and the patches put in whole (those at chosen positions are a PatchAt);
+    its feature edits given the run's ``dictionaries`` (by site) and ``model``'s FFN norms."""
     interventions, patches = from_spec(request.interventions), request.patches
+    if "features" in request.interventions:
+        from .dictionary.features import bind
+
+        interventions = bind(interventions, dictionaries or {}, model)
     if patches and request.patch_positions is not None:  # only there: the model's own elsewhere
         interventions.append(PatchAt(patches, parse_positions("--positions", request.patch_positions)))
         patches = None
@@ -396,6 +443,8 @@ def trace_tokens(
     attribution: AttributionRequest | None = None,
     on_step: Callable[[int, int], None] | None = None,
     gradient: tuple[int, int] | None = None,
+    dictionaries: Mapping[str, Any] | None = None,
+    dictionary_names: Sequence[Any] = (),
 ) -> Trace:
     """Run ``ids`` through ``model``, recording the chosen sites (default: the default sites, docs/architecture.md).
 
@@ -428,6 +477,9 @@ def trace_tokens(
     model.fp8.straight_through, the same values bit for bit) and one backward pass after it records
     the ``grad.*`` sites (tracing.tracer.Tracer.backward). One prefill, with the weights held; over
     several ranks (``plan``) every rank runs the backward pass.
+
+    ``dictionaries``: by the site each reads (tracing.dictionary.features.resolve); their features
+    are recorded, and what they are goes to ``extra["dictionaries"]`` (named by ``dictionary_names``).
     """
     check_token_ids(ids, model.args, max_tokens, generate)
     if attribution is not None:
@@ -447,7 +499,7 @@ def trace_tokens(
         batch = torch.tensor([ids], dtype=torch.long, device=device)
         ids = list(ids)
         n_prompt, stopped = len(ids), None
-        tracer = Tracer(model, record, patches, on_block, interventions, plan, attribution, gradient)
+        tracer = Tracer(model, record, patches, on_block, interventions, plan, attribution, gradient, dictionaries)
         with tracer, context or nullcontext():
             tracer.token_ids = ids  # the tracer reads each position's following token (appended as chosen)
             cache = model.new_cache()
@@ -515,6 +567,10 @@ def trace_tokens(
         info["attribution"] = tracer.attribution_info
     if tracer.gradient_info:
         info["gradient"] = tracer.gradient_info
+    if dictionaries:
+        from .dictionary.features import dictionary_info
+
+        info["dictionaries"] = dictionary_info(dictionaries, dictionary_names)
     if token_strings is not None:
         attributed = [tracer.attribution_info.get(key) for key in ("target", "contrast")]
         shown = sorted({*_predicted_ids(values), *(i for i in attributed if i is not None)})

@@ -37,8 +37,9 @@ class SiteSpec:
     # how a derived site is computed: "derive" (its row's ``derive`` from derived_from's value, at that
     # hook point), "lens" (the final norm and head at each block's stream, when they run), "next" (every
     # position's next-token distribution, at the head), "attribution" (tracing.analyses.attribution,
-    # for one position and target), "mtp" (the MTP module's draft at each position, tracing.tracer) or
-    # "flow" (tracing.analyses.flow, the contribution graph): the
+    # for one position and target), "mtp" (the MTP module's draft at each position, tracing.tracer),
+    # "flow" (tracing.analyses.flow, the contribution graph) or "features" (a dictionary's, when the run
+    # has one for the site: tracing.dictionary.features): the
     # analyses are computed by their module's hooks and named (or --attribute, 'flow'), never by 'all'
     computed: str = ""
     # "derive": f(value, read, heads_mean) -> the recorded value (batch dropped), or None where the site
@@ -78,11 +79,12 @@ class SiteSpec:
             "groups": args.n_expert_groups,
             "tokens": args.vocab_size,
             "tokens or none": args.vocab_size,
+            "features or none": MAX_FEATURES,
         }[self.values]
-        return (-1 if self.values in ("keys", "tokens or none") else 0), high
+        return (-1 if self.values.endswith(("keys", "or none")) else 0), high
 
 
-ANALYSES = ("attribution", "flow", "gradient")
+ANALYSES = ("attribution", "flow", "gradient", "features")
 # the hook points whose gradient a run records (``gradient``): what attribution patching multiplies
 GRADIENT_OF = ("resid_pre", "attn_out", "attn.head_out", "ffn.routed_out", "ffn_out")
 
@@ -124,6 +126,54 @@ def _group_margin(groups: torch.Tensor, read, heads_mean) -> torch.Tensor | None
 
 
 F32, I64 = torch.float32, torch.int64
+# what a sparse dictionary (tracing.dictionary) may read: a sparse autoencoder one of these stream
+# sites, a transcoder a block's FFN (its normed input, to predict its update ffn_out)
+DICTIONARY_SITES = ("resid_pre", "attn_out", "resid_mid", "ffn_out", "resid_post")
+TRANSCODER_SITE = "ffn"
+FEATURES_TOPK = 16  # features recorded per position (a TopK dictionary's active ones, padded with -1)
+MAX_FEATURES = 1 << 24  # the most features a dictionary may have (its ids are checked against it)
+FEATURES = "features"  # the analysis that computes the feature sites (tracing.dictionary.features)
+
+
+def feature_site(site: str, what: str) -> str:
+    """The name of a dictionary's feature site (``what``: top_ids, top_acts, error_norm) for the
+    site it reads (``layers.3.resid_post``, or a transcoder's ``layers.3.ffn``)."""
+    return f"{site}.{FEATURES}.{what}"
+
+
+def _feature_rows() -> tuple[SiteSpec, ...]:
+    """Three rows per site a dictionary may read: its top features, their activations, its error."""
+    rows = []
+    for read in (*DICTIONARY_SITES, TRANSCODER_SITE):
+        transcoder = read == TRANSCODER_SITE
+        base = "layers.{i}." + read
+        whose = (
+            "a transcoder of the block's FFN (`--dictionary`; it reads the FFN's normed input and predicts `ffn_out`)"
+            if transcoder
+            else f"a sparse autoencoder of `{read}` (`--dictionary`)"
+        )
+        common = dict(derived_from="ffn_out" if transcoder else read, computed=FEATURES, patchable=False)
+        rows += [
+            SiteSpec(
+                feature_site(base, "top_ids"),
+                "T F",
+                I64,
+                f"{whose}: the position's most active features, strongest first, -1 past its active ones",
+                values="features or none",
+                **common,
+            ),
+            SiteSpec(feature_site(base, "top_acts"), "T F", F32, "their activations (0 past the active ones)", **common),
+            SiteSpec(
+                feature_site(base, "error_norm"),
+                "T",
+                F32,
+                "the norm of the reconstruction error: `|" + ("ffn_out" if transcoder else read) + " - decode(encode(input))|`",
+                **common,
+            ),
+        ]
+    return tuple(rows)
+
+
 # The one registry. Adding a site: a hook point in model/ (an identity module where the value
 # exists) or a derivation in the tracer, plus one row here.
 REGISTRY: tuple[SiteSpec, ...] = (
@@ -329,6 +379,7 @@ REGISTRY: tuple[SiteSpec, ...] = (
         computed="lens",
         patchable=False,
     ),
+    *_feature_rows(),
     SiteSpec(
         "layers.{i}.attn.attribution",
         "H",
@@ -731,6 +782,7 @@ def dims(args: ModelArgs, name: str, n_tokens: int) -> dict[str, int]:
         "V": args.vocab_size,
         "L": LOGIT_LENS_TOPK,
         "A": NEXT_TOPK,
+        "F": FEATURES_TOPK,
         "P": _ffn_parts(args, name),
         "1": 1,
         "2": 2,
@@ -765,8 +817,8 @@ def index_range(args: ModelArgs, name: str, n_tokens: int) -> tuple[int, int] | 
 def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) -> list[str]:
     """Site names matching glob patterns (``*`` crosses dots); 'default', 'attribution' (with its
     defaults: the last position's top prediction), 'flow' (the contribution graph), 'gradient' (with
-    a request's ``gradient_of``) and 'all' are shorthands. A gradient's site (``grad.*``) matches
-    only a pattern that names it (one that holds "grad").
+    a request's ``gradient_of``), 'features' (a run's dictionaries') and 'all' are shorthands. A
+    gradient's site (``grad.*``) matches only a pattern that names it (one that holds "grad").
 
     Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
     record nothing; the default patterns need not match (a model without a MoE block has no gate).

@@ -190,6 +190,9 @@ class Trace:
         if not isinstance(vocab, dict) or not all(isinstance(v, str) for v in vocab.values()):
             raise TraceError("metadata 'extra': 'vocab' is not a map of token ids to strings")
         _check_extra(self.extra, n)
+        for site, about in self.extra.get("dictionaries", {}).items():  # a feature id indexes its dictionary
+            if (ids := self.tensors.get(f"{site}.features.top_ids")) is not None:
+                _check_values(f"{site}.features.top_ids", ids, -1, about["n_features"])
         _check_groups(self)
         _check_widths(self)
 
@@ -225,6 +228,10 @@ def _check_extra(extra: dict, n: int) -> None:
             isinstance(v, dict)
             and all(v.get(k) is None or _is_int(v[k]) for k in ("position", "target", "contrast"))
             and (v.get("position") is None or 0 <= v["position"] < n)
+        ),
+        "dictionaries": lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(d, dict) and _is_int(d.get("n_features")) and d["n_features"] > 0 for d in v.values())
         ),
         "nonfinite": lambda v: (
             isinstance(v, dict) and isinstance(v.get("site"), str) and (v.get("position") is None or _is_int(v["position"]))

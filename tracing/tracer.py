@@ -67,6 +67,7 @@ class Tracer:
         plan=None,
         attribution: AttributionRequest | None = None,
         gradient: tuple[int, int] | None = None,
+        dictionaries: Mapping | None = None,
     ):
         self.model = model
         self.plan = plan
@@ -75,6 +76,8 @@ class Tracer:
         self.sites = select(self.args, record)
         if attribution is not None:
             self.sites = select(self.args, [*self.sites, "attribution"])
+        self._dictionaries = dict(dictionaries or {})  # by the site each reads (tracing.dictionary.features)
+        self.sites = self._with_features(self.sites)
         if gradient is not None and not any(analysis(name) == "gradient" for name in self.sites):
             self.sites = select(self.args, [*self.sites, "gradient"])
         analyses = {analysis(name) for name in self.sites} - {""}
@@ -110,6 +113,18 @@ class Tracer:
         self._mtp_rows: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks: Hooks | None = None
         self._during = None  # the interventions' contexts (Intervention.during) while entered
+
+    def _with_features(self, sites: list[str]) -> list[str]:
+        """The sites with the feature sites of the run's dictionaries, and no other (a pattern such as
+        'features' matches every block's: only those a dictionary reads are computed)."""
+        if not self._dictionaries:
+            if any(analysis(name) == "features" for name in sites):
+                raise InputError("the features.* sites are a dictionary's: give one (--dictionary DIR)")
+            return sites
+        from .dictionary.features import sites_of
+
+        kept = [name for name in sites if analysis(name) != "features"]
+        return select(self.args, [*kept, *sites_of(self._dictionaries)])
 
     def _own_heads(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """This rank's heads of a patch that holds every head of a block's per-head site (the value
@@ -252,6 +267,10 @@ class Tracer:
             )
         if self._flow:
             Flow(self.model, reads, hooks, self._record, ranks)
+        if self._dictionaries:
+            from .dictionary.features import Features
+
+            Features(self.model, self._dictionaries, hooks, self._record)
         if self._gradient is not None:  # last at their points: the value the model goes on with
             for name in self._gradient_sites():
                 hooks.after(points[_gradient_point(name)], self._capture(_gradient_point(name)))

@@ -36,5 +36,6 @@ PAGES = (
     Page("attribution", "Attribution", ":material/call_split:"),
     Page("patching", "Patching", ":material/swap_horiz:"),
     Page("atlas", "Atlas", ":material/public:", traced=False),
+    Page("features", "Features", ":material/category:", traced=False),
     Page("export", "Export", ":material/download:"),
 )

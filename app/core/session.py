@@ -16,6 +16,7 @@ from app.topics import (
     attribution_runs,
     cards,
     export,
+    features,
     generation,
     intervention_runs,
     model_map,
@@ -85,6 +86,7 @@ DECLARING = (
     generation,
     export,
     atlas,
+    features,
 )
 # Every key the app keeps: tests/app/test_session.py fails on a key the app uses and this schema lacks.
 SCHEMA: tuple[Key, ...] = (*SESSION_KEYS, *(key for module in DECLARING for key in module.KEYS))

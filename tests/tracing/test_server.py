@@ -28,6 +28,7 @@ from tracing.analyses.graph import Graph
 from tracing.cli.commands import main
 from tracing.cli.loading import open_checkpoint
 from tracing.client import read_answer
+from tracing.errors import InputError
 from tracing.runner import TraceRequest, run
 from tracing.server.ranks import Fault
 from tracing.server.wire import encode_request
@@ -104,6 +105,44 @@ def test_a_gradient_over_http_is_the_gradient_run_takes(served):
     finally:
         state.limits = limits
     assert answer.status_code == 422 and "a backward pass of at most 4" in answer.text
+
+
+def test_features_over_http_name_the_servers_dictionaries(served, tmp_path):
+    """A request names the dictionaries the server was started with (serve --dictionaries DIR) and
+    gets the trace a run here makes with them, a feature edit included; a name it lacks, a path, a
+    dictionary that does not fit the model: one line, before the queue."""
+    from tracing.dictionary import Dictionary, save
+    from tracing.dictionary.features import load_catalogue
+
+    client, state, loaded = served
+    dim = loaded.model.args.dim
+    for name, width in (("resid", dim), ("wide", dim + 4)):
+        d = Dictionary("sae", "layers.1.resid_post", width, 32, 4).init_weights(torch.Generator().manual_seed(1))
+        save(d, tmp_path / ("bad" if width != dim else "good") / name)
+    with pytest.raises(InputError, match="the model's stream is"):  # serve refuses to start with it
+        load_catalogue(tmp_path / "bad", loaded.model.args)
+    catalogue = load_catalogue(tmp_path / "good", loaded.model.args)
+    request = TraceRequest(
+        prompt="It is a truth", dictionaries=("resid",), interventions={"features": "layers.1.resid_post:3*2@2:"}
+    )
+    state.model.dictionaries = catalogue
+    try:
+        answer = post(client, request)
+        refused = [
+            post(client, dataclasses.replace(request, dictionaries=(name,)))
+            for name in ("other", str(tmp_path / "good" / "resid"))
+        ]
+        beyond = post(client, dataclasses.replace(request, interventions={"features": "layers.1.resid_post:32=0"}))
+    finally:
+        state.model.dictionaries = {}
+    assert answer.status_code == 200, answer.text
+    want = run(loaded.model, request, loaded.tokenizer, extra={"checkpoint": loaded.label}, dictionaries=catalogue)
+    assert read_answer(iter([answer.content])) == want.to_bytes() and "layers.1.resid_post.features.top_ids" in want.tensors
+    assert beyond.status_code == 422 and "has features 0..31" in beyond.json()["error"]  # before the queue
+    for answer in refused:
+        assert answer.status_code == 422 and "not one of this server's (resid)" in answer.json()["error"]
+    answer = post(client, request)  # the server holds none now
+    assert answer.status_code == 422 and "serve --dictionaries DIR" in answer.json()["error"]
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,13 @@ CLEAN, CORRUPT = "The cat sat on the mat", "The dog sat on the mat"  # one token
 PROMPT = "It is a truth universally acknowledged"
 
 
+SERVED: dict = {}  # the server's state, for a test that gives it dictionaries for a while
+
+
 @pytest.fixture(scope="module")
 def server(app_checkpoint):
-    with listening(app_checkpoint) as (url, _, _):
+    with listening(app_checkpoint) as (url, state, _):
+        SERVED["state"] = state
         yield url
 
 
@@ -97,6 +101,29 @@ def test_run_graph_on_a_server_writes_the_local_trace(server, app_checkpoint, tm
     assert Trace.load(tmp_path / "l.safetensors").extra["graph"]["tensors"]["direction"]["sha256"]
 
 
+def test_run_with_a_dictionary_on_a_server_writes_the_local_trace(server, app_checkpoint, tmp_path):
+    """run --dictionary NAME --feature ... through the server (its own dictionary, by name) writes the
+    trace run --dictionary DIR writes here, to the byte."""
+    import torch
+
+    from tracing.dictionary import Dictionary, save
+    from tracing.dictionary.features import load_catalogue
+
+    state = SERVED["state"]
+    d = Dictionary("sae", "layers.1.resid_post", state.model.loaded.model.args.dim, 32, 4)
+    save(d.init_weights(torch.Generator().manual_seed(1)), tmp_path / "dicts" / "resid")
+    argv = ["run", "--prompt", PROMPT, "--feature", "layers.1.resid_post:5*0@3:"]
+    local = ["--checkpoint", app_checkpoint, "--dictionary", str(tmp_path / "dicts" / "resid")]
+    assert main([*argv, *local, "--out", str(tmp_path / "l.safetensors")]) == 0
+    state.model.dictionaries = load_catalogue(tmp_path / "dicts", state.model.loaded.model.args)
+    try:
+        assert main([*argv, "--server", server, "--dictionary", "resid", "--out", str(tmp_path / "r.safetensors")]) == 0
+    finally:
+        state.model.dictionaries = {}
+    assert (tmp_path / "r.safetensors").read_bytes() == (tmp_path / "l.safetensors").read_bytes()
+    assert "layers.1.resid_post.features.top_ids" in Trace.load(tmp_path / "l.safetensors").tensors
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -121,3 +148,24 @@ def test_what_a_run_records_reads_back_with_the_sites_read_together(app_checkpoi
     trace = Trace.load(out)
     assert set(trace.tensors) == {"tokens", "next.topk_indices", "next.topk_probs"}
     assert select(trace.config, "layers.1.attn.attribution") == ["layers.1.attn.attribution", "layers.1.ffn.attribution"]
+
+
+@pytest.mark.slow
+def test_dictionary_training_on_a_server_matches_the_local_one(server, app_checkpoint, tmp_path, capsys):
+    sample = REPO / "assets" / "demo" / "heldout_sample.txt"
+    if not sample.is_file():
+        pytest.skip("assets/demo is not there")
+    argv = ["dictionary", "train", "--text-file", str(sample), "--site", "layers.1.resid_post", "--features", "32"]
+    argv += ["--k", "4", "--seq-len", "64", "--batch-size", "2", "--rows-per-step", "48", "--max-tokens", "640"]
+    argv += ["--heldout", "0.25"]
+    assert main([*argv, "--checkpoint", app_checkpoint, "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--server", server, "--tokenizer", app_checkpoint, "--out", str(tmp_path / "remote")]) == 0
+    capsys.readouterr()
+    local, remote = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("local", "remote"))
+    assert remote["steps"] == local["steps"] and remote["heldout_rows"] == local["heldout_rows"]
+    assert remote["clean_loss"] == pytest.approx(local["clean_loss"], rel=1e-3)
+    assert remote["variance_explained"] == pytest.approx(local["variance_explained"], abs=0.05)
+    assert remote["spliced_loss"] == pytest.approx(local["spliced_loss"], rel=0.05)
+    argv[argv.index("layers.1.resid_post")] = "layers.1.ffn"
+    assert main([*argv, "--server", server, "--tokenizer", app_checkpoint, "--out", str(tmp_path / "t")]) == 2
+    assert "a server does not record" in capsys.readouterr().err

@@ -8,7 +8,17 @@ import torch
 from model import TINY
 from model.checkpoint import build_model
 from tracing.runner import trace_tokens
-from tracing.sites import REGISTRY, hook_points, index_range, layer_site, markdown_table, site_name, site_shapes, spec
+from tracing.sites import (
+    MAX_FEATURES,
+    REGISTRY,
+    hook_points,
+    index_range,
+    layer_site,
+    markdown_table,
+    site_name,
+    site_shapes,
+    spec,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
@@ -37,7 +47,7 @@ def test_derived_rows_name_what_they_are_computed_from_and_how():
         # a derived row says how it is computed; a row computed by "derive" carries the function
         assert (row.derived_from is None) == (row.computed == ""), row.pattern
         assert (row.computed == "derive") == (row.derive is not None), row.pattern
-        assert row.computed in ("", "derive", "lens", "next", "mtp", "attribution", "flow", "gradient"), row.pattern
+        assert row.computed in ("", "derive", "lens", "next", "mtp", "attribution", "flow", "gradient", "features"), row.pattern
 
 
 def test_integer_rows_carry_their_index_range_and_padded_rows_their_fill():
@@ -52,6 +62,7 @@ def test_integer_rows_carry_their_index_range_and_padded_rows_their_fill():
         "layers.{i}.ffn.expert_lens.ids": (-1, TINY.vocab_size),
         "next.topk_indices": (0, TINY.vocab_size),
         "mtp.topk_indices": (0, TINY.vocab_size),
+        **{row.pattern: (-1, MAX_FEATURES) for row in REGISTRY if row.pattern.endswith(".features.top_ids")},
     }
     assert index_range(TINY, "layers.2.ffn.gate.topk_indices", 12) == (0, TINY.n_routed_experts)
     assert index_range(TINY, "layers.2.resid_pre", 12) is None

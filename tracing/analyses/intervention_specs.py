@@ -32,6 +32,9 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
     * ``no_act_fp8``: true for FP8 products without the activations' rounding
     * ``zero_experts``, ``ablate_heads``: as ``ablate`` (``"LAYER:ID[@POSITIONS],..."`` or ``{block: [ids]}``)
     * ``at``: ``"P"``, ``"A:B"``: the positions where the ``{block: [ids]}`` forms act (default: all)
+    * ``features``: ``"SITE:FEATURE=0"``, ``"SITE:FEATURE*SCALE"`` or ``"SITE:FEATURE+AMOUNT"``, each
+      ``[@POSITIONS]``, comma-separated: a feature of the run's dictionary of SITE zeroed, scaled, or
+      its decoder direction added (tracing.dictionary.features.FeatureEdit)
 
     POSITIONS: ``P``, ``A:B`` (A..B-1), ``A:`` or ``:B``. Each intervention checks its values against
     the model when it runs.
@@ -62,6 +65,13 @@ def from_spec(request: Mapping[str, Any]) -> list[Intervention]:
         if not _is_int(attention) or attention < 1:
             raise InputError(f'attention: expected "dense" or an index_topk (a positive integer), not {_shown(attention)}')
         out.append(IndexTopK(attention))
+    features = request.get("features")  # "SITE:FEATURE=0[@P],..." (tracing.dictionary.features)
+    if features:
+        if not isinstance(features, str):
+            raise InputError(f"features: expected SITE:FEATURE=0|*SCALE|+AMOUNT text, not {_shown(features)}")
+        from ..dictionary.features import parse_edits
+
+        out.extend(parse_edits(features, parse_positions))
     no_act_fp8 = request.get("no_act_fp8")
     if not isinstance(no_act_fp8, bool | None):
         raise InputError(f"no_act_fp8: expected true or false, not {type(no_act_fp8).__name__}")

@@ -1,4 +1,4 @@
-"""python -m tracing {run, diff, export, info, eval, atlas, patching, plan, serve, convert}: the command
+"""python -m tracing {run, diff, export, info, eval, atlas, dictionary, patching, plan, serve, convert}: the command
 line of docs/architecture.md (Contracts).
 
 Bad input exits with status 2 and one line on stderr naming the problem, never a traceback, and
@@ -20,7 +20,7 @@ from model.config import ConfigError
 from ..errors import InputError
 from ..tokenizer import TokenizerError
 from ..trace import TraceError
-from . import atlas, convert, diff, export, info, patching, plan, run, serve
+from . import atlas, convert, dictionary, diff, export, info, patching, plan, run, serve
 from . import eval as evaluate
 from .inputs import Parser
 
@@ -42,7 +42,19 @@ def _leave_process_group() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m tracing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (run, diff, export, info, evaluate, atlas, patching, plan, serve, convert):  # the order --help lists them in
+    for command in (
+        run,
+        diff,
+        export,
+        info,
+        evaluate,
+        atlas,
+        dictionary,
+        patching,
+        plan,
+        serve,
+        convert,
+    ):  # the order --help lists them in
         command.add_parser(sub)
     return parser
 

@@ -72,6 +72,20 @@ def add_parser(sub) -> None:
     run.add_argument("--positions", metavar="P|A:B", help="with --patch or --patch-from: patch only these positions (A..B-1)")
     add_intervention_flags(run)
     run.add_argument(
+        "--dictionary",
+        action="append",
+        metavar="DIR",
+        help="a sparse dictionary (SAELens layout: cfg.json, sae_weights.safetensors) whose features at the site it "
+        "reads are recorded (<site>.features.*, table features); repeatable, one per site; with --server, the name of "
+        "one of the server's (serve --dictionaries)",
+    )
+    run.add_argument(
+        "--feature",
+        metavar="SITE:F=0|SITE:F*S|SITE:F+A[@P|@A:B],...",
+        help="edit a feature of a --dictionary at its site: zero it, scale its activation by S, or add A times its "
+        "decoder direction, at every position or at P / A..B-1 (e.g. layers.1.resid_post:17=0@5)",
+    )
+    run.add_argument(
         "--graph",
         type=named_path,
         metavar="FILE.json",
@@ -131,7 +145,10 @@ def request_from_args(args: argparse.Namespace) -> TraceRequest:
     if args.sites and not args.patch_from:
         raise InputError("--sites applies to --patch-from")
     interventions = intervention_spec(args)
+    if args.feature:
+        interventions["features"] = args.feature
     request = TraceRequest(
+        dictionaries=tuple(args.dictionary or ()),
         prompt=args.prompt,
         token_ids=None if args.token_ids is None else token_ids(args.token_ids),
         chat=args.chat,

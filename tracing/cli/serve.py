@@ -53,6 +53,13 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-seconds", type=finite, default=600.0, help="a request is stopped after this long (default 600)")
     serve.add_argument("--max-queue", type=integer(), default=8, help="requests that may wait for the model (default 8)")
     serve.add_argument(
+        "--dictionaries",
+        type=named_path,
+        metavar="DIR",
+        help="sparse dictionaries a request may name (run --dictionary NAME): DIR itself, or each subdirectory of it "
+        "holding one (named by it); checked against the model when it loads",
+    )
+    serve.add_argument(
         "--collective-timeout",
         type=finite,
         default=60.0,
@@ -137,9 +144,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         time.sleep(load_delay(rank))
         loaded = open_from_args(args, device, dtype, tokens=args.max_prompt_tokens + args.max_generate)
         ranks = _ranks(distributed, args.collective_timeout, loaded.device)
-        model = Model(loaded, faults_from_env(rank))
+        catalogue = {}
+        if args.dictionaries is not None:
+            from ..dictionary.features import load_catalogue
+
+            catalogue = load_catalogue(args.dictionaries, loaded.model.args)
+        model = Model(loaded, faults_from_env(rank), dictionaries=catalogue)
         if rank == 0:
-            http.ready(model, _facts(loaded, world, limits))
+            http.ready(model, _facts(loaded, world, limits, catalogue))
             print(f"serving {loaded.label} on http://{args.host}:{args.port} ({world} rank{'s' * (world > 1)})", file=sys.stderr)
             if loaded.load is not None:
                 print(loaded.load.line(), file=sys.stderr)
@@ -176,7 +188,7 @@ def _ranks(distributed, collective_timeout: float, device):
     return Ranks(group, distributed.rank, distributed.world, device)
 
 
-def _facts(loaded, world: int, limits) -> dict:
+def _facts(loaded, world: int, limits, dictionaries: dict | None = None) -> dict:
     args = loaded.model.args
     tokenizer = loaded.tokenizer
     chat = None
@@ -205,6 +217,10 @@ def _facts(loaded, world: int, limits) -> dict:
         "chat_refusal": chat,
         "limits": limits.describe(),
     }
+    if dictionaries:
+        from ..dictionary.features import describe_catalogue
+
+        info["dictionaries"] = describe_catalogue(dictionaries)
     return {"health": health, "info": info}
 
 

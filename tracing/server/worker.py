@@ -127,6 +127,7 @@ class Model:
     loaded: object  # tracing.cli.loading.Loaded
     faults: list[Fault] = field(default_factory=list)  # tests of the failure paths (ranks.faults_from_env)
     requests: int = 0  # the requests that reached this rank
+    dictionaries: dict = field(default_factory=dict)  # name -> Dictionary (serve --dictionaries): what a request names
 
     def __post_init__(self) -> None:
         for block in {fault.block for fault in self.faults if fault.kind == "mid"}:
@@ -145,13 +146,22 @@ class Model:
             device=loaded.device,
             context=loaded.context(),
             plan=loaded.plan,
+            dictionaries=self.dictionaries,
         )
 
 
 def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
     """Everything rank 0 can check before a request is queued (its token ids, as they will run)."""
     from ..analyses.intervention_specs import check_positions
-    from ..runner import attribution_of, check_gradient, check_prefill, check_token_ids, encode, interventions_of
+    from ..runner import (
+        attribution_of,
+        check_gradient,
+        check_prefill,
+        check_token_ids,
+        dictionaries_of,
+        encode,
+        interventions_of,
+    )
 
     _within_limits(request, limits)
     request.check()
@@ -174,8 +184,9 @@ def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
             )
     if (attribution := attribution_of(request, model.loaded.tokenizer)) is not None:
         attribution.check(n_positions, args.vocab_size)
-    interventions, _ = interventions_of(request)
-    for intervention in interventions:  # their blocks, experts, heads and top-k against this model
+    chosen = dictionaries_of(request, model.loaded.model, model.dictionaries)  # by name: the server's only
+    interventions, _ = interventions_of(request, chosen, model.loaded.model)
+    for intervention in interventions:  # their blocks, experts, heads, top-k and features against this model
         intervention.replacements(args)
         intervention.config(args)
     check_positions(interventions, n_positions)

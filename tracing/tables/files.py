@@ -37,7 +37,11 @@ def to_csv_bytes(frame: pd.DataFrame) -> bytes:
 # (tracing.analyses.diff.diff_tables); a reused output directory loses the files of these names it does not rewrite
 DIFF_TABLES = ("blocks", "stream", "experts", "indexer_keys", "attention", "predictions", "logits", "next_token")
 SET_TABLES = ("causal", "causal_summary", "causal_parts", "eval", "eval_prompts")  # over a set of prompts (prompt_sets)
-TABLE_FILES = frozenset(f"{name}.{ext}" for name in (*BUILDERS, *DIFF_TABLES, *SET_TABLES) for ext in ("csv", "parquet"))
+# a dictionary's feature pages (tracing.dictionary.pages)
+PAGE_TABLES = ("feature_summary", "feature_contexts", "feature_logits", "feature_experts", "expert_features")
+TABLE_FILES = frozenset(
+    f"{name}.{ext}" for name in (*BUILDERS, *DIFF_TABLES, *SET_TABLES, *PAGE_TABLES) for ext in ("csv", "parquet")
+)
 
 
 def export(trace: Trace, directory: str | os.PathLike, parquet: bool = False) -> list[Path]:

@@ -12,7 +12,7 @@ import torch
 
 from ..analyses.margins import NEAR_TIE
 from ..analyses.mtp import drafted, verified
-from ..sites import SAVED, part_name
+from ..sites import SAVED, layer_site, part_name, site_order
 from ..trace import Trace
 from .grid import index_grid
 
@@ -471,6 +471,35 @@ def graph_table(trace: Trace) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def features_table(trace: Trace) -> pd.DataFrame:
+    """Per dictionary, position and rank: a feature active there and its activation, with the norm
+    of the dictionary's reconstruction error at the position (tracing.dictionary.features)."""
+    pos, tok = _positions(trace)
+    info = trace.extra.get("dictionaries", {})
+    frames = []
+    for name in sorted(trace.tensors, key=site_order):
+        if not name.endswith(".features.top_ids"):
+            continue
+        site = name.removesuffix(".features.top_ids")
+        ids = trace[name].numpy()  # (T, F)
+        acts, error = trace[f"{site}.features.top_acts"].numpy(), trace[f"{site}.features.error_norm"].numpy()
+        rows, ranks = np.nonzero(ids >= 0)
+        about = info.get(site, {}) if isinstance(info, dict) else {}
+        data = {
+            "site": site,
+            "dictionary": str(about.get("name", site)),
+            "block": layer_site(site)[0],
+            "position": pos[rows],
+            "token": tok[rows],
+            "rank": ranks,
+            "feature": ids[rows, ranks],
+            "activation": acts[rows, ranks],
+            "error_norm": error[rows],
+        }
+        frames.append(pd.DataFrame(data))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 BUILDERS = {
     "tokens": tokens_table,
     "residual": residual_table,
@@ -488,6 +517,7 @@ BUILDERS = {
     "expert_lens": expert_lens_table,
     "flow": flow_table,
     "graph": graph_table,
+    "features": features_table,
 }
 
 
