@@ -25,6 +25,7 @@ import torch
 
 from model import fp8, kernels
 from model.config import ModelArgs
+from model.stream import Streamer
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
@@ -515,6 +516,8 @@ def trace_tokens(
         info["attribution"] = tracer.attribution_info
     if tracer.gradient_info:
         info["gradient"] = tracer.gradient_info
+    if isinstance(context, Streamer):  # where the weights of its passes came from (model.tiers)
+        info["stream"] = context.stats.accounting()
     if token_strings is not None:
         attributed = [tracer.attribution_info.get(key) for key in ("target", "contrast")]
         shown = sorted({*_predicted_ids(values), *(i for i in attributed if i is not None)})

@@ -129,3 +129,32 @@ def test_the_demo_streamed_with_tiers_gives_the_resident_trace(tokens):
         assert got.token_ids == want.token_ids and all(torch.equal(got.tensors[n], v) for n, v in want.tensors.items())
     assert streamer.stats.device_hit_bytes > 0 and streamer.stats.host_bytes > 0
     assert tiers.device_tier.peak <= tiers.device_tier.budget and tiers.host_tier.peak <= tiers.host_tier.budget
+
+
+def test_the_budgets_are_flags_of_every_command_and_a_served_stream_keeps_them_across_requests(tiny_checkpoint, capsys):
+    from tests.tracing.serving import in_process, post
+    from tracing.cli.commands import main
+    from tracing.client import read_answer
+    from tracing.runner import TraceRequest
+    from tracing.trace import Trace
+
+    argv = ["run", "--checkpoint", str(tiny_checkpoint), "--token-ids", "1,2", "--out", "x.safetensors", "--stream"]
+    assert main([*argv, "--device-budget", "lots"]) == 2
+    assert "--device-budget 'lots': give auto, 0 or an amount of memory" in capsys.readouterr().err
+    remote = ["run", "--server", "http://127.0.0.1:9", "--token-ids", "1,2", "--out", "x.safetensors"]
+    assert main([*remote, "--host-budget", "1GiB"]) == 2
+    assert "--host-budget: the server's model runs as it was started" in capsys.readouterr().err
+
+    request = TraceRequest(token_ids=[5, 17, 300, 2], generate=2)
+    with in_process(str(tiny_checkpoint), stream=True, budgets=(10 * 2**30, 0)) as (client, state, loaded):
+        traces = []
+        for _ in range(2):
+            answer = post(client, request)
+            assert answer.status_code == 200, answer.text
+            traces.append(Trace.from_bytes(read_answer(iter([answer.content]))))
+        health = client.get("/health").json()
+    first, second = (t.extra["stream"] for t in traces)
+    assert first["disk_bytes"] > 0 and first["device_hit_bytes"] > 0  # the decode steps ran on what the prefill read
+    assert second["disk_bytes"] == 0 and second["device_hit_bytes"] == first["disk_bytes"] + first["device_hit_bytes"]
+    assert health["streamed"] == {k: first[k] + second[k] for k in ("disk_bytes", "host_bytes", "device_hit_bytes")}
+    assert loaded.tiers.device_tier.peak <= loaded.tiers.device_tier.budget
