@@ -138,13 +138,9 @@ class StreamStats:
         return max(self.wall_seconds - self.wait_seconds, 0.0)
 
     def accounting(self) -> dict[str, Any]:
-        """Where the weights came from, for a trace's metadata, a summary line and /health."""
-        return {
-            "disk_bytes": self.bytes_read,
-            "host_bytes": self.host_bytes,
-            "device_hit_bytes": self.device_hit_bytes,
-            "seconds": round(self.wall_seconds, 4),
-        }
+        """Where the weights came from, for a trace's metadata, a summary line and /health (no
+        times: a trace is the same bytes whenever the same request meets the same tiers)."""
+        return {"disk_bytes": self.bytes_read, "host_bytes": self.host_bytes, "device_hit_bytes": self.device_hit_bytes}
 
     def summary(self) -> dict[str, Any]:
         """Plain numbers for JSON."""
