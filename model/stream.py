@@ -128,6 +128,7 @@ class StreamStats:
     units: dict[str, UnitStats] = field(default_factory=dict)  # embed, layers.N, norm, head, mtp.0
     reads: Counter[str] = field(default_factory=Counter)  # checkpoint name -> times read
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # model.tiers.Tiers.describe() at the end
+    experts: Counter[str] = field(default_factory=Counter)  # routed experts loaded, by where from: disk, host, device
 
     @property
     def disk_bytes(self) -> int:
@@ -435,6 +436,8 @@ class Streamer:
                 owner.device_hit_bytes += unit.stored
                 self.stats.device_hit_bytes += unit.stored
             owner.load_seconds += seconds
+            if unit.expert:
+                self.stats.experts[where] += 1
             if unit.name != owner.name:
                 owner.experts += 1
         return tensors, where

@@ -197,7 +197,7 @@ def test_gpu_check_runs_every_phase_on_the_cpu(tmp_path):
     code, summary, table = gpu_check(tmp_path, "--tokens", "12", "--generate", "2", "--compare-tokens", "6")
     phases = {p["name"]: p for p in summary["phases"]}
     assert code == 0 and summary["ok"], json.dumps(summary, indent=1)[-4000:]
-    assert list(phases) == ["disk", "run", "server", "plan", "cpu_compare"]
+    assert list(phases) == ["disk", "run", "server", "plan", "tiers", "cpu_compare"]
     assert all(name in table for name in phases) and "ok in" in table
     disk = phases["disk"]
     assert disk["blocks"] == 3 and disk["bytes"] > 0 and disk["write_gbps"] > 0 and disk["read_gbps"] > 0
@@ -210,6 +210,8 @@ def test_gpu_check_runs_every_phase_on_the_cpu(tmp_path):
     assert server["stopped_cleanly"] and "held in memory" in server["load"]
     plan = phases["plan"]
     assert plan["plan_load"] == "resident" and 0.8 <= plan["predicted_over_measured"] <= 1.2
+    tiers = phases["tiers"]  # the whole tiny model in the device budget: the second request reads nothing
+    assert tiers["second"]["disk_bytes"] == 0 < tiers["first"]["disk_bytes"] and tiers["decode"]["expert_hit_rate"] is not None
     assert phases["cpu_compare"]["cpu_resident_vs_cpu"]["rows_differing"] == 0  # the CPU against itself
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())  # the checkpoint removed
 
@@ -218,7 +220,7 @@ def test_gpu_check_skips_what_its_budget_cannot_hold_and_says_so(tmp_path):
     code, summary, table = gpu_check(tmp_path, "--budget-s", "20")
     assert code == 1 and not summary["ok"]
     assert [(p["name"], p["status"]) for p in summary["phases"]] == [
-        (name, "skipped") for name in ("disk", "run", "server", "plan", "cpu_compare")
+        (name, "skipped") for name in ("disk", "run", "server", "plan", "tiers", "cpu_compare")
     ]
     assert "no time left" in summary["phases"][0]["reason"] and "needs checkpoint" in summary["phases"][1]["reason"]
     assert "FAILED" in table and "skipped" in table
