@@ -648,7 +648,7 @@ def tier_budgets(
 
     - device: its free memory less what a request of ``tokens`` positions needs (counted as
       :func:`plan_rank` counts it) and room for four of the largest weight in flight (the units the
-      stream reads ahead are not the tiers');
+      stream reads ahead are not the tiers'); on the CPU shared by the ranks on this node;
     - host: the available host memory less a reserve (``HOST_RESERVE`` or ``HOST_RESERVE_SHARE`` of
       it, the larger), shared by the ranks on this node (``LOCAL_WORLD_SIZE``); on the CPU, where
       the device tier is host memory too, less the device budget.
@@ -657,6 +657,7 @@ def tier_budgets(
     import os
 
     device = torch.device(device)
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)  # ranks sharing this node's host memory
     tokens = max(1, min(tokens, source.args.max_seq_len))
     part = plan_rank(source, rank, world, dtype=dtype, device=device, mtp=mtp, weights_only=True)
     if device_budget is None:
@@ -665,10 +666,12 @@ def tier_budgets(
             counted = plan_rank(source, rank, world, tokens, 0, ("default",), dtype, device, mtp)
         free = available_memory(device)
         device_budget = max(free - counted.request - 4 * _largest_weight(source), 0)
+        if device.type == "cpu":
+            device_budget //= local
     if host_budget is None:
         free = available_memory("cpu")
         host_budget = max(free - max(HOST_RESERVE, int(HOST_RESERVE_SHARE * free)), 0)
-        host_budget //= max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        host_budget //= local
         if device.type == "cpu":
             host_budget = max(host_budget - device_budget, 0)
     return min(device_budget, part.weights), min(host_budget, part.disk)
