@@ -255,20 +255,25 @@ def mid_args() -> ModelArgs:
 
 
 def tiers(source: SafetensorsSource, tokens: torch.Tensor) -> dict:
-    """Two identical prefills per budget: where each one's weights came from, and its seconds."""
+    """Two identical prefills per budget: where each one's weights came from, and its seconds; every
+    pass's logits must equal the first's (bit for bit, whatever the tiers held)."""
     paths = sorted(source.directory / shard for shard in set(source.weight_map.values()))
     model = build_model(source.args, torch.bfloat16)
     whole = held_bytes(model, "cuda")  # the weights as held (no CPU copies: streamed weights keep none)
     stored = source.nbytes([n for n in source.specs() if (layer_of(n) or 0) < source.args.n_layers])
     budgets = {"device none": (0, 0), "device half": (whole // 2, 0), "device all": (whole, 0), "host all": (0, stored)}
     out = {"weights_held_bytes": whole, "weights_stored_bytes": stored, "budgets": {}}
+    first = None
     for label, (device, host) in budgets.items():
         kept = Tiers("cpu", device, host)
         rows = []
         for _ in range(2):
             evict(paths)
             t = time.perf_counter()
-            _, stats = stream_forward(model, source, tokens, "cpu", tiers=kept)
+            logits, stats = stream_forward(model, source, tokens, "cpu", tiers=kept)
+            first = logits if first is None else first
+            if not torch.equal(logits, first):
+                raise SystemExit(f"{label}: the logits differ from the first pass's")
             rows.append({**stats.accounting(), "seconds": round(time.perf_counter() - t, 3)})
         out["budgets"][label] = {
             "device_budget": device,
@@ -277,6 +282,7 @@ def tiers(source: SafetensorsSource, tokens: torch.Tensor) -> dict:
             "second": rows[1],
             "peak": {"device": kept.device_tier.peak, "host": kept.host_tier.peak},
         }
+    out["logits_identical"] = True  # every pass's, checked above
     return out
 
 
