@@ -647,8 +647,9 @@ def tier_budgets(
     None, the default:
 
     - device: its free memory less what a request of ``tokens`` positions needs (counted as
-      :func:`plan_rank` counts it) and room for four of the largest weight in flight (the units the
-      stream reads ahead are not the tiers'); on the CPU shared by the ranks on this node;
+      :func:`plan_rank` counts it) and room for three of the largest unit the stream loads in flight
+      (what it reads ahead is not the tiers', and the stream checks that its largest unit fits in
+      what is free); on the CPU shared by the ranks on this node;
     - host: the available host memory less a reserve (``HOST_RESERVE`` or ``HOST_RESERVE_SHARE`` of
       it, the larger), shared by the ranks on this node (``LOCAL_WORLD_SIZE``); on the CPU, where
       the device tier is host memory too, less the device budget.
@@ -665,7 +666,7 @@ def tier_budgets(
         if counted is None:
             counted = plan_rank(source, rank, world, tokens, 0, ("default",), dtype, device, mtp)
         free = available_memory(device)
-        device_budget = max(free - counted.request - 4 * _largest_weight(source), 0)
+        device_budget = max(free - counted.request - 3 * _largest_unit(source), 0)
         if device.type == "cpu":
             device_budget //= local
     if host_budget is None:
@@ -677,16 +678,21 @@ def tier_budgets(
     return min(device_budget, part.weights), min(host_budget, part.disk)
 
 
-def _largest_weight(source: WeightSource) -> int:
-    """The most bytes one tensor of the checkpoint takes as held (a float32 head: 4 bytes a weight)."""
+def _largest_unit(source: WeightSource) -> int:
+    """The most bytes one unit the stream loads together (model.stream: the embedding, a block
+    without its routed experts, one routed expert, the norm, the head) takes as held (the head in
+    float32)."""
+    import re
+
     from model.names import FAMILIES, from_hf
 
     wider = FAMILIES[source.args.model_type].stored_bf16
-    most = 0
+    units: dict[str, int] = {}
     for name, spec in source.specs().items():
-        numel = math.prod(spec.shape)
-        most = max(most, numel * (4 if from_hf(name).endswith(wider) else spec.dtype.itemsize))
-    return most
+        ours = from_hf(name)
+        unit = re.match(r"(layers\.\d+\.ffn\.experts\.\d+|layers\.\d+|mtp\.\d+|[a-z]+)", ours).group(1)
+        units[unit] = units.get(unit, 0) + math.prod(spec.shape) * (4 if ours.endswith(wider) else spec.dtype.itemsize)
+    return max(units.values())
 
 
 def parse_memory(text: str) -> int:
