@@ -158,3 +158,20 @@ def test_the_budgets_are_flags_of_every_command_and_a_served_stream_keeps_them_a
     assert second["disk_bytes"] == 0 and second["device_hit_bytes"] == first["disk_bytes"] + first["device_hit_bytes"]
     assert health["streamed"] == {k: first[k] + second[k] for k in ("disk_bytes", "host_bytes", "device_hit_bytes")}
     assert loaded.tiers.device_tier.peak <= loaded.tiers.device_tier.budget
+
+
+def test_the_default_budgets_leave_a_request_and_units_in_flight_and_share_the_host(tiny_checkpoint, monkeypatch):
+    import tracing.plan as plan
+
+    source, cpu = SafetensorsSource(tiny_checkpoint), torch.device("cpu")
+    part = plan.plan_rank(source, device="cpu", weights_only=True)
+    counted = plan.RankPlan(0, part.weights, 4000, 3000, 2000, 1000, part.disk)  # a request's plan: caches, activations...
+    load = plan.Load(True, part.weights, counted.request, 0, part.disk, 1, 16, counted=counted)
+    free = counted.request + 3 * plan._largest_unit(source) + part.weights // 2  # the device tier gets half the weights
+    monkeypatch.setattr(plan, "available_memory", lambda device="cpu": free)
+    assert plan.tier_budgets(source, cpu, load=load) == (part.weights // 2, 0)  # the host's reserve takes the rest
+    free = plan.HOST_RESERVE + part.disk  # the reserve left, the host tier holds every stored byte
+    assert plan.tier_budgets(source, cpu, device_budget=0) == (0, part.disk)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the node: each gets half
+    assert plan.tier_budgets(source, cpu, device_budget=0) == (0, part.disk // 2)
+    assert plan.tier_budgets(source, cpu, device_budget=10**15, host_budget=10**15) == (part.weights, part.disk)  # capped
