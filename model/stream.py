@@ -186,6 +186,11 @@ def _aligned(n: int) -> int:
     return -(-n // 64) * 64  # tensors in a shared buffer start on 64-byte boundaries
 
 
+def _parameters(tensors: list[torch.Tensor]) -> list[nn.Parameter]:
+    # model.kernels keeps no copy of a streamed weight beside it: the tiers' budgets count the weights
+    return [use_once(nn.Parameter(t, requires_grad=False)) for t in tensors]
+
+
 def _pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # torch's host allocator reuses freed ones
 
@@ -403,19 +408,21 @@ class Streamer:
             return _Ready(lambda: self._load(unit))
         return self._pool.submit(self._load, unit)
 
-    def _load(self, unit: _Unit) -> tuple[list[torch.Tensor], str]:
-        """``unit``'s tensors on the device and where they came from: the device tier, the host
-        tier (copied), or disk (then offered to the tiers)."""
+    def _load(self, unit: _Unit) -> tuple[list[nn.Parameter], str]:
+        """``unit``'s parameters on the device and where they came from: the device tier, the host
+        tier (copied), or disk (then offered to the tiers). The device tier keeps the parameters
+        themselves, so what model.kernels works out once per weight (its scales' power-of-two
+        test) holds while the tier does."""
         t = time.perf_counter()
         found = self.tiers.lookup(unit.name)
         if found is not None and found[0] == "device":
             tensors, where = found[1], "device"
         elif found is not None:
-            tensors, where = self._to_device(unit, found[1], copy=True), "host"
+            tensors, where = _parameters(self._to_device(unit, found[1], copy=True)), "host"
             self.tiers.offer(unit.name, tensors, None, unit.stored, unit.expert, self._dtypes(unit))
         else:
-            tensors, raw = self._read(unit)
-            where = "disk"
+            used, raw = self._read(unit)
+            tensors, where = _parameters(used), "disk"
             self.tiers.offer(unit.name, tensors, raw, unit.stored, unit.expert, self._dtypes(unit))
         nbytes = sum(t.numel() * t.element_size() for t in tensors)  # as held, in the parameters' dtypes
         if self.synchronize:
@@ -523,8 +530,7 @@ class Streamer:
         for p, tensor in zip(unit.params, tensors, strict=True):
             if compute is not None:
                 tensor.record_stream(compute)  # made on a reader's stream: not reused before the compute is done
-            # the CPU backend keeps no copy of a streamed weight beside it: the tiers' budgets count the weights
-            p.owner._parameters[p.leaf] = use_once(nn.Parameter(tensor, requires_grad=False))
+            p.owner._parameters[p.leaf] = tensor
         with self._lock:
             self._loaded_unassigned -= unit.nbytes
             self._resident[unit.name] = unit.nbytes
