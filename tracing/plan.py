@@ -510,11 +510,10 @@ def _gb(n: int) -> str:
 def weights_said(streamed: dict[str, Any]) -> str:
     """Where a stream's weights came from (model.stream.StreamStats.accounting: a trace's ``stream``
     metadata, or /health's totals), in a few words."""
-    line = (
+    return (
         f"weights {_gb(streamed['disk_bytes'])} from disk, {_gb(streamed['host_bytes'])} from host memory,"
         f" {_gb(streamed['device_hit_bytes'])} kept on the device"
     )
-    return line + (f" ({streamed['seconds']:.1f} s)" if "seconds" in streamed else "")
 
 
 def memory_plan(
