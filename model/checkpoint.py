@@ -262,9 +262,10 @@ class TensorReader:
     From a :class:`SafetensorsSource` a tensor, or a range of its rows, is read with ``pread``:
     the read happens here (in the loader thread, without the GIL), not later as page faults of a
     memory map in the thread that computes. For the CPU it is read straight into the tensor; for
-    a GPU through a reused (pinned) staging buffer of ``staging_bytes``, so each byte crosses
-    PCIe from page-locked memory and no fresh host pages are faulted in. Other sources go
-    through ``load`` and ``load_slice``.
+    a GPU through reused (pinned) staging buffers, ``staging_bytes`` per reading thread in two
+    halves, so each byte crosses PCIe from page-locked memory, no fresh host pages are faulted in,
+    the next half is read while the last one is copied, and several threads read at once (no
+    buffer is shared between them). Other sources go through ``load`` and ``load_slice``.
     """
 
     def __init__(self, source: WeightSource, staging_bytes: int = 64 << 20, staging: bool | None = None):
@@ -272,13 +273,12 @@ class TensorReader:
         self.specs = source.specs()
         self.reads: Counter[str] = Counter()  # checkpoint name -> times read
         self.bytes_read = 0
-        self.staging_bytes = staging_bytes
+        self.staging_bytes = staging_bytes  # per reading thread, in two halves
         self._staging = staging  # None: for devices other than the CPU
-        self._stage: torch.Tensor | None = None
+        self._local = threading.local()  # each reading thread's staging buffers
         self._direct = isinstance(source, SafetensorsSource)
         self._shards: dict[str, tuple[int, int, dict[str, Any]]] = {}  # shard -> (fd, data start, header)
         self._lock = threading.Lock()
-        self._read_lock = threading.Lock()  # one staging buffer
 
     def direct(self, device: torch.device, part: Part | None = None) -> bool:
         """Whether :meth:`read` reads straight into host memory a caller may provide (``into``)."""
@@ -336,13 +336,7 @@ class TensorReader:
             self._fill(fd, memoryview(raw.numpy()), offset, name)
         else:
             raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            with self._read_lock:
-                stage = self._staging_buffer(device)
-                view = memoryview(stage.numpy())
-                for done in range(0, nbytes, len(view)):
-                    n = min(len(view), nbytes - done)
-                    self._fill(fd, view[:n], offset + done, name)
-                    raw[done : done + n].copy_(stage[:n])  # from page-locked memory; returns when done
+            self._staged(fd, offset, raw, device, name)
         return raw.view(spec.dtype).reshape(shape)
 
     def _fill(self, fd: int, view: memoryview, offset: int, name: str) -> None:
@@ -353,10 +347,28 @@ class TensorReader:
                 raise CheckpointError(f"{self.source.where(name)}: file ends inside tensor {name}")
             done += n
 
-    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
-        if self._stage is None:
-            self._stage = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        return self._stage
+    def _staged(self, fd: int, offset: int, raw: torch.Tensor, device: torch.device, name: str) -> None:
+        """Read into ``raw`` (on ``device``) through this thread's two staging buffers: while one
+        half's copy to the device runs (asynchronously, from page-locked memory, on the thread's
+        current stream), the next is read into the other. Returns when ``raw`` holds the bytes."""
+        cuda = device.type == "cuda"
+        stages = getattr(self._local, "stages", None)
+        if stages is None:
+            half = max(self.staging_bytes // 2, 1)
+            stages = self._local.stages = [torch.empty(half, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        copied: list[Any] = [None, None]  # the event after each buffer's last copy
+        for k, done in enumerate(range(0, len(raw), len(stages[0]))):
+            stage, b = stages[k % 2], k % 2
+            if copied[b] is not None:
+                copied[b].synchronize()  # its previous copy has left the buffer
+            n = min(len(stage), len(raw) - done)
+            self._fill(fd, memoryview(stage.numpy())[:n], offset + done, name)
+            raw[done : done + n].copy_(stage[:n], non_blocking=cuda)
+            if cuda:
+                copied[b] = torch.cuda.Event()
+                copied[b].record()
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()
 
     def locate(self, name: str) -> tuple[int, int, int]:
         """Where a tensor's bytes are in its shard: (open file descriptor, offset, length)."""

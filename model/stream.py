@@ -15,8 +15,11 @@ loaded for it and the embedding is read again, since it reads both.
 
 Because the same module objects run the same code, logits and every hook point's value are
 identical to those of the fully loaded model, and hooks registered by name (tracing) fire as
-usual. A background thread reads ahead: the next block while this one runs, and a few of the
-picked experts while earlier ones run, so at most about two blocks of weights are resident.
+usual. Reader threads (several reads in flight) read ahead: the next block while this one runs,
+and a few of the picked experts while earlier ones run, so at most about two blocks of weights
+are in use at once. With :class:`model.tiers.Tiers`, which outlives one Streamer, what its
+device and host budgets hold stays between passes (a request repeated, the next decode step)
+and is used or copied instead of read; a decode step then reads only what no tier holds.
 
     model = build_model(source.args, dtype)
     logits, stats = stream_forward(model, source, tokens, device, progress=print)  # or tracing.cli.progress.stream_bar()
@@ -40,6 +43,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +56,7 @@ from .hooks import Hooks
 from .kernels import use_once
 from .moe import MoE
 from .names import FAMILIES, from_hf, to_hf
+from .tiers import Tiers
 from .transformer import Transformer
 
 _FORWARD = inspect.signature(Transformer.forward)  # the model's call, to read its ``mtp`` argument
@@ -82,15 +87,21 @@ class _Unit:
     block: int | None = None  # the block a unit belongs to
     nbytes: int = 0
     arena: torch.Tensor | None = None  # host memory its weights were read into, reused when freed
+    stored: int = 0  # the checkpoint's bytes of its weights (this rank's part)
+    expert: bool = False  # a routed expert (model.tiers keeps the others first)
 
 
 @dataclass
 class UnitStats:
-    """One streamed module: bytes read for it, seconds reading, seconds of its forward (wall) and
-    of that time spent waiting for weights. A block's figures include its experts."""
+    """One streamed module: bytes read for it from disk (``bytes``), copied from the host tier
+    and found on the device (model.tiers; the checkpoint's bytes, so the three add up to the
+    unit's weights), seconds loading, seconds of its forward (wall) and of that time spent waiting
+    for weights. A block's figures include its experts."""
 
     name: str
     bytes: int = 0
+    host_bytes: int = 0
+    device_hit_bytes: int = 0
     load_seconds: float = 0.0
     wall_seconds: float = 0.0
     wait_seconds: float = 0.0
@@ -103,22 +114,42 @@ class UnitStats:
 
 @dataclass
 class StreamStats:
+    """A stream's figures. Every byte of the weights a pass ran on came from one place: read from
+    disk (``bytes_read``, also ``disk_bytes``), copied from the host tier (``host_bytes``) or held
+    by the device tier (``device_hit_bytes``); all three count the checkpoint's bytes."""
+
     bytes_read: int = 0
+    host_bytes: int = 0
+    device_hit_bytes: int = 0
     load_seconds: float = 0.0  # time the reads took (in the loader thread when prefetching)
     wait_seconds: float = 0.0  # time the forward stood waiting for weights
     wall_seconds: float = 0.0
     peak_resident_bytes: int = 0  # weights loaded and not yet freed, at most at once
     units: dict[str, UnitStats] = field(default_factory=dict)  # embed, layers.N, norm, head, mtp.0
     reads: Counter[str] = field(default_factory=Counter)  # checkpoint name -> times read
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # model.tiers.Tiers.describe() at the end
+    experts: Counter[str] = field(default_factory=Counter)  # routed experts loaded, by where from: disk, host, device
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.bytes_read
 
     @property
     def compute_seconds(self) -> float:
         return max(self.wall_seconds - self.wait_seconds, 0.0)
 
+    def accounting(self) -> dict[str, Any]:
+        """Where the weights came from, for a trace's metadata, a summary line and /health (no
+        times: a trace is the same bytes whenever the same request meets the same tiers)."""
+        return {"disk_bytes": self.bytes_read, "host_bytes": self.host_bytes, "device_hit_bytes": self.device_hit_bytes}
+
     def summary(self) -> dict[str, Any]:
         """Plain numbers for JSON."""
         return {
             "bytes_read": self.bytes_read,
+            "disk_bytes": self.bytes_read,
+            "host_bytes": self.host_bytes,
+            "device_hit_bytes": self.device_hit_bytes,
             "load_seconds": round(self.load_seconds, 4),
             "wait_seconds": round(self.wait_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
@@ -126,6 +157,7 @@ class StreamStats:
             "peak_resident_bytes": self.peak_resident_bytes,
             "read_gbps": round(self.bytes_read / self.load_seconds / 1e9, 3) if self.load_seconds else None,
             "stream_gbps": round(self.bytes_read / self.wall_seconds / 1e9, 3) if self.wall_seconds else None,
+            "tiers": self.tiers,
         }
 
 
@@ -154,6 +186,15 @@ def _aligned(n: int) -> int:
     return -(-n // 64) * 64  # tensors in a shared buffer start on 64-byte boundaries
 
 
+def _parameters(tensors: list[torch.Tensor]) -> list[nn.Parameter]:
+    # model.kernels keeps no copy of a streamed weight beside it: the tiers' budgets count the weights
+    return [use_once(nn.Parameter(t, requires_grad=False)) for t in tensors]
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # torch's host allocator reuses freed ones
+
+
 class _Ready:
     """A load done on demand by the thread that asks (no read-ahead)."""
 
@@ -177,6 +218,11 @@ class Streamer:
     ``plan`` (from :func:`model.parallel.parallelize`) makes each rank read only its part.
     On exit every weight is freed and the model is back on the meta device. Each forward call
     inside the context streams every block again (a prefill, or one decode step).
+
+    ``tiers`` (:class:`model.tiers.Tiers`, which outlives the context) keeps units between passes
+    and contexts within its budgets: a unit it holds on the device is used as it is, one it holds
+    on the host is copied, anything else read from disk and offered to it. Without it nothing is
+    kept. ``readers`` threads load at once (read-ahead), each with its own staging buffers.
     """
 
     def __init__(
@@ -190,6 +236,8 @@ class Streamer:
         progress: ProgressFn | None = None,
         synchronize: bool = False,
         plan: Any = None,
+        tiers: Tiers | None = None,
+        readers: int = 4,
     ):
         self.model = model
         self.source = source
@@ -200,6 +248,11 @@ class Streamer:
         self.synchronize = synchronize and self.device.type == "cuda"
         self.parts: dict[str, Part] = dict(plan.parts) if plan is not None else {}
         self.stats = StreamStats()
+        self.tiers = tiers if tiers is not None else Tiers(self.device)
+        if self.tiers.device.type != self.device.type:
+            raise ValueError(f"tiers for {self.tiers.device} cannot serve a stream to {self.device}")
+        self.readers = max(int(readers), 1)
+        self._local = threading.local()  # each reader thread's CUDA stream
         self._hooks: Hooks | None = None
         self._chain: list[_Unit] = []
         self._experts: dict[tuple[int, int], _Unit] = {}
@@ -236,6 +289,8 @@ class Streamer:
         for j, module in enumerate(model.mtp):  # after the head: it reads the main embedding and head
             self._mtp_k = len(self._chain)
             self._chain.append(self._block_unit(f"mtp.{j}", self._n_layers + j, module, module.block, f"mtp.{j}.block"))
+        for unit in [*self._chain, *self._experts.values()]:
+            unit.stored = sum(self._reader.nbytes(self._hf(p.name), self.parts.get(p.name)) for p in unit.params)
         try:
             self._check_memory()
         except CheckpointError:
@@ -252,10 +307,9 @@ class Streamer:
             hooks.after(expert, self._expert_post_hook(i, j))
         for i, gate in self._gates:
             hooks.after(gate, self._gate_hook(i))
-        if self._mtp_k is not None:
-            hooks.before(model, self._pass_hook, with_kwargs=True)
+        hooks.before(model, self._pass_hook, with_kwargs=True)
         if self.prefetch:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-loader")
+            self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="stream-loader")
         self._t0 = time.perf_counter()
         self._pending[self._chain[0].name] = self._submit(self._chain[0])
         return self
@@ -277,6 +331,7 @@ class Streamer:
             self.stats.reads = self._reader.reads
             self.stats.bytes_read = self._reader.bytes_read
             self._reader.close()
+        self.stats.tiers = self.tiers.describe()
         self.stats.wall_seconds = time.perf_counter() - self._t0
 
     def replay(self, picked: dict[int, list[int]] | None = None) -> None:
@@ -285,6 +340,7 @@ class Streamer:
         ``picked`` names its block (n_layers) with the embedding again. For measuring the reads
         (a benchmark's load-only pass), with the same reader, read-ahead and bookkeeping."""
         picked = picked or {}
+        self.tiers.begin_pass()
         self._drafting = self._mtp_k is not None and self._n_layers in picked
         for k, unit in enumerate(self._chain):
             if k == self._mtp_k and not self._drafting:
@@ -330,7 +386,7 @@ class Streamer:
             for j, expert in enumerate(block.ffn.experts):
                 if expert is not None:
                     self._experts[i, j] = eu = self._unit(f"{path}.ffn.experts.{j}", expert)
-                    eu.block = i
+                    eu.block, eu.expert = i, True
                     self._block_experts.setdefault(i, []).append(eu)
         return unit
 
@@ -352,27 +408,23 @@ class Streamer:
             return _Ready(lambda: self._load(unit))
         return self._pool.submit(self._load, unit)
 
-    def _load(self, unit: _Unit) -> list[torch.Tensor]:
+    def _load(self, unit: _Unit) -> tuple[list[nn.Parameter], str]:
+        """``unit``'s parameters on the device and where they came from: the device tier, the host
+        tier (copied), or disk (then offered to the tiers). The device tier keeps the parameters
+        themselves, so what model.kernels works out once per weight (its scales' power-of-two
+        test) holds while the tier does."""
         t = time.perf_counter()
-        tensors, nbytes, read = [], 0, 0  # bytes held (in the parameters' dtypes), bytes read
-        reader = self._reader
-        # host reads go into memory recycled from freed weights: fresh pages would be faulted in
-        # (zeroed by the kernel) on every read, which halves the read speed on the CPU
-        sizes = [
-            reader.nbytes(self._hf(p.name), self.parts.get(p.name)) if reader.direct(self.device, self.parts.get(p.name)) else 0
-            for p in unit.params
-        ]
-        offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
-        if sum(sizes):
-            unit.arena = self._arena(sum(_aligned(n) for n in sizes))
-        for p, size, offset in zip(unit.params, sizes, offsets, strict=True):
-            into = unit.arena[offset : offset + size] if size else None
-            tensor = reader.read(self._hf(p.name), self.device, self.parts.get(p.name), into)
-            read += tensor.numel() * tensor.element_size()
-            if tensor.dtype != p.meta.dtype:  # the head and weights_proj: bf16 stored, float32 held
-                tensor = tensor.to(p.meta.dtype)
-            tensors.append(tensor)
-            nbytes += tensor.numel() * tensor.element_size()
+        found = self.tiers.lookup(unit.name)
+        if found is not None and found[0] == "device":
+            tensors, where = found[1], "device"
+        elif found is not None:
+            tensors, where = _parameters(self._to_device(unit, found[1], copy=True)), "host"
+            self.tiers.offer(unit.name, tensors, None, unit.stored, unit.expert, self._dtypes(unit))
+        else:
+            used, raw = self._read(unit)
+            tensors, where = _parameters(used), "disk"
+            self.tiers.offer(unit.name, tensors, raw, unit.stored, unit.expert, self._dtypes(unit))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)  # as held, in the parameters' dtypes
         if self.synchronize:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t
@@ -382,11 +434,78 @@ class Streamer:
             self._loaded_unassigned += nbytes
             self._note_peak()
             owner = self.stats.units.setdefault(self._owner_name(unit), UnitStats(self._owner_name(unit)))
-            owner.bytes += read
+            if where == "disk":
+                owner.bytes += unit.stored
+            elif where == "host":
+                owner.host_bytes += unit.stored
+                self.stats.host_bytes += unit.stored
+            else:
+                owner.device_hit_bytes += unit.stored
+                self.stats.device_hit_bytes += unit.stored
             owner.load_seconds += seconds
+            if unit.expert:
+                self.stats.experts[where] += 1
             if unit.name != owner.name:
                 owner.experts += 1
-        return tensors
+        return tensors, where
+
+    def _read(self, unit: _Unit) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Read ``unit`` from disk: (its tensors on the device, in the parameters' dtypes; the
+        tensors as read on the host, or None when read straight to the device). On the CPU, and
+        on a GPU whose host tier may keep the unit, the bytes land in host memory first."""
+        reader, cpu = self._reader, self.device.type == "cpu"
+        to_host = cpu or self.tiers.keeps_raw
+        host = torch.device("cpu")
+        # host reads go into memory recycled from freed weights (on a GPU: page-locked memory): fresh
+        # pages would be faulted in (zeroed by the kernel) on every read, which halves the read speed
+        direct = [to_host and reader.direct(host, self.parts.get(p.name)) for p in unit.params]
+        sizes = [
+            reader.nbytes(self._hf(p.name), self.parts.get(p.name)) if d else 0 for p, d in zip(unit.params, direct, strict=True)
+        ]
+        offsets = [sum(_aligned(n) for n in sizes[:i]) for i in range(len(sizes))]
+        arena = None
+        if sum(sizes):
+            arena = self._arena(sum(_aligned(n) for n in sizes)) if cpu else _pinned(sum(_aligned(n) for n in sizes))
+            unit.arena = arena if cpu else None
+        stream = self._reader_stream()
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            raw = []
+            for p, size, offset in zip(unit.params, sizes, offsets, strict=True):
+                into = arena[offset : offset + size] if size else None
+                tensor = reader.read(self._hf(p.name), host if to_host else self.device, self.parts.get(p.name), into)
+                if to_host and not cpu and not tensor.is_pinned():
+                    tensor = tensor.pin_memory()
+                raw.append(tensor)
+            if not to_host:  # on the device already: the head and weights_proj made float32 there
+                used = [t if t.dtype == p.meta.dtype else t.to(p.meta.dtype) for p, t in zip(unit.params, raw, strict=True)]
+        if not to_host:
+            if stream is not None:
+                stream.synchronize()
+            return used, None
+        return self._to_device(unit, raw), raw
+
+    def _to_device(self, unit: _Unit, raw: list[torch.Tensor], copy: bool = False) -> list[torch.Tensor]:
+        """Host tensors as read to the device, in the parameters' dtypes (the head and weights_proj:
+        bf16 stored, float32 held). On a GPU from page-locked memory on the thread's own stream,
+        beside the compute; ``copy`` on the CPU: a copy even where the dtype is the same."""
+        stream = self._reader_stream()
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            out = [t.to(self.device, p.meta.dtype, non_blocking=True, copy=copy) for p, t in zip(unit.params, raw, strict=True)]
+        if stream is not None:
+            stream.synchronize()
+        return out
+
+    def _dtypes(self, unit: _Unit) -> list[torch.dtype]:
+        return [self._reader.specs[self._hf(p.name)].dtype for p in unit.params]
+
+    def _reader_stream(self) -> Any:
+        """On a GPU, this reader thread's own CUDA stream (its copies run beside the compute); else None."""
+        if self.device.type != "cuda":
+            return None
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return stream
 
     def _owner_name(self, unit: _Unit) -> str:
         return self._owners[unit.block] if unit.block is not None else unit.name
@@ -401,15 +520,17 @@ class Streamer:
             return
         fut = self._pending.pop(unit.name, None) or self._submit(unit)
         t = time.perf_counter()
-        tensors = fut.result()
+        tensors, _ = fut.result()
         waited = time.perf_counter() - t
         self.stats.wait_seconds += waited
         owner = self.stats.units.get(self._owner_name(unit))
         if owner is not None:
             owner.wait_seconds += waited
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for p, tensor in zip(unit.params, tensors, strict=True):
-            # each weight is read by one forward: the CPU backend keeps no copy of it beside the freed weight
-            p.owner._parameters[p.leaf] = use_once(nn.Parameter(tensor, requires_grad=False))
+            if compute is not None:
+                tensor.record_stream(compute)  # made on a reader's stream: not reused before the compute is done
+            p.owner._parameters[p.leaf] = tensor
         with self._lock:
             self._loaded_unassigned -= unit.nbytes
             self._resident[unit.name] = unit.nbytes
@@ -417,13 +538,14 @@ class Streamer:
     def _free(self, unit: _Unit) -> None:
         for p in unit.params:
             p.owner._parameters[p.leaf] = p.meta
+        kept = unit.arena is not None and self.tiers.holds(unit.name)  # its memory is the tier's now
         with self._lock:
             self._resident.pop(unit.name, None)
-            if unit.arena is not None:
+            if unit.arena is not None and not kept:
                 self._arenas.append(unit.arena)
-                unit.arena = None
                 self._arenas.sort(key=len)
                 del self._arenas[:-_SPARE_ARENAS]  # keep the largest few spare
+            unit.arena = None
 
     def _arena(self, nbytes: int) -> torch.Tensor:
         """A host buffer of at least ``nbytes``: the smallest spare one that fits, else a new one."""
@@ -439,7 +561,11 @@ class Streamer:
 
     # hooks -------------------------------------------------------------------------------------
     def _pass_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Before each forward: whether it will run the MTP module (asked for, or its sites observed)."""
+        """Before each forward: one pass more for the tiers' recent use, and whether it will run the
+        MTP module (asked for, or its sites observed)."""
+        self.tiers.begin_pass()
+        if self._mtp_k is None:
+            return
         asked = _FORWARD.bind(module, *args, **kwargs).arguments.get("mtp", False)  # by name, however it was passed
         self._drafting = bool(asked) or self.model.mtp[0].logits.observed
 

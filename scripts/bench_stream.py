@@ -18,6 +18,16 @@ Prints one JSON object. The virtual disk of a VM may be cached by its host, whic
 cannot evict: "cold" reads can then run faster than the device; the rounds show the spread.
 
     python scripts/bench_stream.py --n-layers 4 --experts 64 --tokens 8
+
+``--tiers`` measures the weight tiers (model.tiers) instead: for device budgets of nothing, half
+and all of the model (no host tier), and for a host tier of all of it (no device tier), two
+identical streamed prefills, each after evicting the shards from the page cache: the bytes from
+disk, from the host tier and kept on the device, and the seconds, of the first and the second.
+On the bundled demo (``--checkpoint demo``) or a mid-size synthetic model written to ``--dir``
+(the demo's config widened: ``--mid``):
+
+    python scripts/bench_stream.py --tiers --checkpoint demo --tokens 32
+    python scripts/bench_stream.py --tiers --mid --tokens 32
 """
 
 from __future__ import annotations
@@ -40,8 +50,9 @@ import torch  # noqa: E402
 from model.checkpoint import SafetensorsSource, TensorReader, build_model, save_checkpoint  # noqa: E402
 from model.config import ModelArgs  # noqa: E402
 from model.names import layer_of  # noqa: E402
-from model.stream import Streamer, stream_forward  # noqa: E402
+from model.stream import Streamer, held_bytes, stream_forward  # noqa: E402
 from model.synthetic import SyntheticSource, truncate_layers  # noqa: E402
+from model.tiers import Tiers  # noqa: E402
 
 CONFIG = REPO / "assets" / "configs" / "config_671B_hf.json"
 CHUNK = 16 << 20
@@ -233,6 +244,72 @@ def measure(source: SafetensorsSource, opts: argparse.Namespace) -> dict:
     }
 
 
+DEMO = REPO / "assets" / "demo"
+MID = {"dim": 1024, "inter_dim": 2816, "moe_inter_dim": 512, "n_layers": 6, "n_routed_experts": 64, "vocab_size": 16384}
+
+
+def mid_args() -> ModelArgs:
+    """A mid-size model: the demo's config (its FP8 layout, MLA, indexer) at width 1024 with 64
+    experts of width 512 over 6 blocks: about 0.6 GB."""
+    return ModelArgs.from_file(DEMO / "config.json").replace(**MID, n_mtp_layers=0)
+
+
+def tiers(source: SafetensorsSource, tokens: torch.Tensor) -> dict:
+    """Two identical prefills per budget: where each one's weights came from, and its seconds; every
+    pass's logits must equal the first's (bit for bit, whatever the tiers held)."""
+    paths = sorted(source.directory / shard for shard in set(source.weight_map.values()))
+    model = build_model(source.args, torch.bfloat16)
+    whole = held_bytes(model, "cuda")  # the weights as held (no CPU copies: streamed weights keep none)
+    stored = source.nbytes([n for n in source.specs() if (layer_of(n) or 0) < source.args.n_layers])
+    budgets = {"device none": (0, 0), "device half": (whole // 2, 0), "device all": (whole, 0), "host all": (0, stored)}
+    out = {"weights_held_bytes": whole, "weights_stored_bytes": stored, "budgets": {}}
+    first = None
+    for label, (device, host) in budgets.items():
+        kept = Tiers("cpu", device, host)
+        rows = []
+        for _ in range(2):
+            evict(paths)
+            t = time.perf_counter()
+            logits, stats = stream_forward(model, source, tokens, "cpu", tiers=kept)
+            first = logits if first is None else first
+            if not torch.equal(logits, first):
+                raise SystemExit(f"{label}: the logits differ from the first pass's")
+            rows.append({**stats.accounting(), "seconds": round(time.perf_counter() - t, 3)})
+        out["budgets"][label] = {
+            "device_budget": device,
+            "host_budget": host,
+            "first": rows[0],
+            "second": rows[1],
+            "peak": {"device": kept.device_tier.peak, "host": kept.host_tier.peak},
+        }
+    out["logits_identical"] = True  # every pass's, checked above
+    return out
+
+
+def main_tiers(opts: argparse.Namespace) -> int:
+    if opts.checkpoint == "demo" or opts.checkpoint is None and not opts.mid:
+        directory, args, created = DEMO, None, False
+    elif opts.checkpoint is not None:
+        directory, args, created = Path(opts.checkpoint), None, False
+    else:
+        directory, args = opts.dir, mid_args()
+        created = not directory.exists()
+        if created:
+            write_checkpoint(directory, args, int(opts.shard_gb * 1e9))
+    try:
+        source = SafetensorsSource(directory)
+        if args is not None and source.args != args:
+            raise SystemExit(f"{directory}: holds another config; remove it or pick another --dir")
+        tokens = torch.randint(0, source.args.vocab_size, (1, opts.tokens), generator=torch.Generator().manual_seed(0))
+        out = {"checkpoint": str(directory), "tokens": opts.tokens, **tiers(source, tokens)}
+        out["torch_threads"], out["load_average"] = torch.get_num_threads(), os.getloadavg()
+    finally:
+        if created and not opts.keep:
+            shutil.rmtree(directory, ignore_errors=True)
+    print(json.dumps(out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_stream_ckpt"))
@@ -244,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-window", type=int, default=4)
     parser.add_argument("--shard-gb", type=float, default=2.0)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint it writes (reused by the next run)")
+    parser.add_argument("--tiers", action="store_true", help="measure the weight tiers (see above) instead")
+    parser.add_argument("--checkpoint", help="with --tiers: a checkpoint directory, or demo (the default)")
+    parser.add_argument("--mid", action="store_true", help="with --tiers: the mid-size synthetic model, written to --dir")
     opts = parser.parse_args(argv)
+    if opts.tiers:
+        return main_tiers(opts)
 
     args = bench_args(opts.config, opts.n_layers, opts.experts)
     out: dict = {"config": {"n_layers": args.n_layers, "n_routed_experts": args.n_routed_experts, "tokens": opts.tokens}}

@@ -26,7 +26,12 @@ phase that no longer fits in the budget is skipped and says so.
    (the first judges every weight's scales once), and how many recorded values and selections
    differ. On the CPU the products are compared at small widths (bit for bit expected there) and
    the traced forward is left out (the dispatcher takes the CUDA route for CUDA tensors only).
-6. ``cpu_compare``: phase 2's prompt on the CPU (streamed): how many selections differ from the
+6. ``tiers``: the checkpoint streamed in this process with the default budgets (model.tiers): two
+   identical ``--tokens`` requests (each one's bytes from disk, from host memory and kept on the
+   device, and its seconds; with the whole model in the device budget the second must read
+   nothing from disk), then ``--generate`` tokens after the same prompt: the decode steps' routed
+   experts by where they came from, and the device tier's hit rate.
+7. ``cpu_compare``: phase 2's prompt on the CPU (streamed): how many selections differ from the
    GPU's. Reported, not failed: a GPU sums float32 products in cuBLAS's order, not the CPU's. Last,
    because on the node's 16 cores it is the slowest phase; it gets what is left of the budget.
 
@@ -622,6 +627,56 @@ def kernels_phase(check: Check, result: dict) -> None:
             problems.append(f"{label}: the route's second forward synchronised {route} times, the plain one's {plain}")
         del model
     result["syncs_first_second"] = syncs
+
+
+def tiers_phase(check: Check, result: dict) -> None:
+    from collections import Counter
+
+    from tracing.cli.loading import open_checkpoint
+    from tracing.runner import TraceRequest
+    from tracing.runner import run as run_request
+
+    opts, device = check.opts, torch.device(check.opts.device)
+    loaded = open_checkpoint(check.found["checkpoint"], device, stream=True, tokens=opts.tokens + opts.generate)
+    tiers = loaded.tiers
+    result.update(device_budget_gb=round(tiers.device_tier.budget / GB, 3), host_budget_gb=round(tiers.host_tier.budget / GB, 3))
+    ids = token_ids(opts.tokens, loaded.model.args.vocab_size, opts.seed + 3)
+
+    def timed(request: TraceRequest, on_step=None, context=None) -> tuple[dict, float]:
+        check.timeout(reserve=opts.reserve_s / 2)
+        t = time.monotonic()
+        trace = run_request(loaded.model, request, device=device, context=context or loaded.context(), on_step=on_step)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return trace.extra["stream"], round(time.monotonic() - t, 2)
+
+    for k in ("first", "second"):
+        figures, seconds = timed(TraceRequest(token_ids=tuple(ids), record=("default",)))
+        result[k] = {**figures, "seconds": seconds}
+    streamer, after_prefill = loaded.context(), Counter()
+
+    def on_step(step: int, steps: int) -> None:
+        if step == 1:  # the prefill is done: what follows is the decode steps'
+            after_prefill.update(streamer.stats.experts)
+
+    request = TraceRequest(token_ids=tuple(ids), generate=opts.generate, record=("default",))
+    figures, seconds = timed(request, on_step, streamer)
+    decode = streamer.stats.experts - after_prefill
+    taken = sum(decode.values())
+    result["decode"] = {
+        **figures,
+        "seconds": seconds,
+        "tokens": opts.generate,
+        "experts": dict(decode),
+        "expert_hit_rate": round(decode["device"] / taken, 4) if taken else None,
+    }
+    problems = []
+    if tiers.device_tier.budget >= tiers.device_tier.peak + result["first"]["disk_bytes"] and result["second"]["disk_bytes"]:
+        problems.append(f"the device budget holds the model, yet the second request read {result['second']['disk_bytes']} bytes")
+    for tier in (tiers.device_tier, tiers.host_tier):
+        if tier.peak > tier.budget:
+            problems.append(f"the {tier.name} tier held {tier.peak} bytes, over its budget of {tier.budget}")
+    result["peak_gb"] = {"device": round(tiers.device_tier.peak / GB, 3), "host": round(tiers.host_tier.peak / GB, 3)}
     result["problems"] = problems
 
 
@@ -665,6 +720,11 @@ FIGURES = {
     "kernels": lambda r: (
         f"fp8_gemm route vs plain: {r.get('products_equal_share')} bit-equal, max rel diff {r.get('products_max_rel'):.2e}"
         + "".join(f" | syncs {k}: {v}" for k, v in r.get("syncs_first_second", {}).items())
+    ),
+    "tiers": lambda r: (
+        f"second request {r['second']['disk_bytes'] / GB:.2f} GB from disk in {r['second']['seconds']} s "
+        f"(first {r['first']['disk_bytes'] / GB:.2f} GB in {r['first']['seconds']} s), {r['decode']['tokens']} tokens "
+        f"in {r['decode']['seconds']} s, experts' hit rate {r['decode']['expert_hit_rate']}"
     ),
     "cpu_compare": lambda r: (
         "; ".join(f"{k[:-7]}: {v['rows_differing']} of {v['rows']} rows differ" for k, v in r.items() if k.endswith("_vs_cpu"))
@@ -717,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         check.phase("server", lambda r: server_phase(check, r), needs=("checkpoint",), at_least=20)
         check.phase("plan", lambda r: plan_phase(check, r), needs=("checkpoint",), at_least=10)
         check.phase("kernels", lambda r: kernels_phase(check, r), at_least=20)
+        check.phase("tiers", lambda r: tiers_phase(check, r), needs=("checkpoint",), at_least=20)
         check.phase("cpu_compare", lambda r: cpu_compare_phase(check, r), needs=("checkpoint", "compare_ids"), at_least=10)
     finally:
         if not opts.keep and "workdir" in check.found:

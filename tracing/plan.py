@@ -507,6 +507,15 @@ def _gb(n: int) -> str:
     return f"{n / GB:,.1f} GB" if n >= GB / 10 else f"{n / 1e6:,.1f} MB"
 
 
+def weights_said(streamed: dict[str, Any]) -> str:
+    """Where a stream's weights came from (model.stream.StreamStats.accounting: a trace's ``stream``
+    metadata, or /health's totals), in a few words."""
+    return (
+        f"weights {_gb(streamed['disk_bytes'])} from disk, {_gb(streamed['host_bytes'])} from host memory,"
+        f" {_gb(streamed['device_hit_bytes'])} kept on the device"
+    )
+
+
 def memory_plan(
     source: WeightSource,
     ranks: int = 1,
@@ -537,6 +546,7 @@ class Load:
     tokens: int
     forced: bool = False  # --stream
     counted: RankPlan | None = None  # this rank's plan for such a request, where it was counted
+    kept: tuple[int, int] | None = None  # streamed: the tiers' (device, host) budgets, tier_budgets
 
     @property
     def mode(self) -> str:
@@ -554,7 +564,13 @@ class Load:
             why = f"its part, {part}, and {need} {'exceed' if self.stream else 'of'} the {free} free"
         if self.stream:
             passes = "every forward pass (the prefill and each generated token)"
-            return f"model streamed ({why}): {passes} reads {_gb(self.disk)}{per} from disk"
+            if self.kept is None or not any(self.kept):
+                return f"model streamed ({why}): {passes} reads {_gb(self.disk)}{per} from disk"
+            device, host = self.kept
+            return (
+                f"model streamed ({why}): {passes} reads from disk what is not kept across passes (up to {_gb(device)}"
+                f" on the device, {_gb(host)} in host memory{per}), at most {_gb(self.disk)}{per}"
+            )
         return f"model held in memory ({why}); a request reads nothing from disk"
 
     def describe(self) -> dict[str, Any]:
@@ -564,6 +580,8 @@ class Load:
             "request_gb": None if self.counted is None else round(self.request / GB, 3),
             "free_gb": round(self.free / GB, 3),
             "disk_gb_per_pass": round(self.disk / GB, 3) if self.stream else 0.0,
+            "device_budget_gb": round(self.kept[0] / GB, 3) if self.stream and self.kept else None,
+            "host_budget_gb": round(self.kept[1] / GB, 3) if self.stream and self.kept else None,
             "tokens": self.tokens,
             "line": self.line(),
             "plan": None if self.counted is None else self.counted.summary(),  # rank 0's, where counted
@@ -606,6 +624,74 @@ def decide_load(
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         must = bool(flag.item())
     return Load(must, part.weights, request, free, part.disk, world, tokens, bool(stream), counted)
+
+
+HOST_RESERVE = 8 * 2**30  # host memory a default host budget leaves to everything else, at least
+HOST_RESERVE_SHARE = 0.1  # and at least this share of the available memory
+
+
+def tier_budgets(
+    source: WeightSource,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    mtp: bool | None = None,
+    rank: int = 0,
+    world: int = 1,
+    tokens: int = DEFAULT_TOKENS,
+    load: Load | None = None,
+    device_budget: int | None = None,
+    host_budget: int | None = None,
+) -> tuple[int, int]:
+    """The (device, host) budgets of a streamed model's tiers (model.tiers), each as given or, when
+    None, the default:
+
+    - device: its free memory less what a request of ``tokens`` positions needs (counted as
+      :func:`plan_rank` counts it) and room for three of the largest unit the stream loads in flight
+      (what it reads ahead is not the tiers', and the stream checks that its largest unit fits in
+      what is free); on the CPU shared by the ranks on this node;
+    - host: the available host memory less a reserve (``HOST_RESERVE`` or ``HOST_RESERVE_SHARE`` of
+      it, the larger), shared by the ranks on this node (``LOCAL_WORLD_SIZE``); on the CPU, where
+      the device tier is host memory too, less the device budget.
+
+    Neither is more than the weights (this rank's part, as held and as stored) can use."""
+    import os
+
+    device = torch.device(device)
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)  # ranks sharing this node's host memory
+    tokens = max(1, min(tokens, source.args.max_seq_len))
+    part = plan_rank(source, rank, world, dtype=dtype, device=device, mtp=mtp, weights_only=True)
+    if device_budget is None:
+        counted = load.counted if load is not None and load.counted is not None else None
+        if counted is None:
+            counted = plan_rank(source, rank, world, tokens, 0, ("default",), dtype, device, mtp)
+        free = available_memory(device)
+        device_budget = max(free - counted.request - 3 * _largest_unit(source), 0)
+        if device.type == "cpu":
+            device_budget //= local
+    if host_budget is None:
+        free = available_memory("cpu")
+        host_budget = max(free - max(HOST_RESERVE, int(HOST_RESERVE_SHARE * free)), 0)
+        host_budget //= local
+        if device.type == "cpu":
+            host_budget = max(host_budget - device_budget, 0)
+    return min(device_budget, part.weights), min(host_budget, part.disk)
+
+
+def _largest_unit(source: WeightSource) -> int:
+    """The most bytes one unit the stream loads together (model.stream: the embedding, a block
+    without its routed experts, one routed expert, the norm, the head) takes as held (the head in
+    float32)."""
+    import re
+
+    from model.names import FAMILIES, from_hf
+
+    wider = FAMILIES[source.args.model_type].stored_bf16
+    units: dict[str, int] = {}
+    for name, spec in source.specs().items():
+        ours = from_hf(name)
+        unit = re.match(r"(layers\.\d+\.ffn\.experts\.\d+|layers\.\d+|mtp\.\d+|[a-z]+)", ours).group(1)
+        units[unit] = units.get(unit, 0) + math.prod(spec.shape) * (4 if ours.endswith(wider) else spec.dtype.itemsize)
+    return max(units.values())
 
 
 def parse_memory(text: str) -> int:

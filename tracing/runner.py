@@ -26,6 +26,7 @@ import torch
 
 from model import fp8, kernels
 from model.config import ModelArgs
+from model.stream import Streamer
 from model.transformer import Transformer
 
 from .analyses.attribution import AttributionRequest
@@ -571,6 +572,8 @@ def trace_tokens(
         from .dictionary.features import dictionary_info
 
         info["dictionaries"] = dictionary_info(dictionaries, dictionary_names)
+    if isinstance(context, Streamer):  # where the weights of its passes came from (model.tiers)
+        info["stream"] = context.stats.accounting()
     if token_strings is not None:
         attributed = [tracer.attribution_info.get(key) for key in ("target", "contrast")]
         shown = sorted({*_predicted_ids(values), *(i for i in attributed if i is not None)})

@@ -30,6 +30,7 @@ from tracing.chat import encode_chat
 from tracing.cli.loading import DEMO, Loaded, open_checkpoint, parse_dtype, resolve_checkpoint
 from tracing.client import Client, read_token_file
 from tracing.errors import InputError
+from tracing.plan import weights_said
 from tracing.runner import TraceRequest, encode, run
 from tracing.tokenizer import TokenizerError
 from tracing.trace import Trace
@@ -106,18 +107,23 @@ class RemoteModel(AppModel):
     def describe(self) -> list[str]:
         a, f = self.args, self.facts
         ranks = f"{f['ranks']} ranks" if f["ranks"] > 1 else "1 process"
-        held = None
+        held = sofar = None
         try:
             health = self.client.health()
             load = f"queue {health['queue']}, {'busy' if health['running'] else 'idle'}"
             said = health.get("load")  # held or streamed, and its memory (tracing.plan)
             held = said.get("line") if isinstance(said, dict) else None
+            streamed = health.get("streamed")  # every request's weights so far, from a server trusted for nothing
+            keys = ("disk_bytes", "host_bytes", "device_hit_bytes")
+            if isinstance(streamed, dict) and all(type(v := streamed.get(k)) is int and 0 <= v < 2**63 for k in keys):
+                sofar = f"streamed so far: {weights_said({k: streamed[k] for k in keys})}"
         except InputError:
             load = "not answering now"
         return [
             f"{f['model']}: {a.n_layers} blocks, d = {a.dim}, {a.n_routed_experts} experts, vocabulary {a.vocab_size:,}",
             f"model server {self.client.url}: {ranks} on {f['device']}, {f['dtype']}; {load}",
             *([held[:300]] if isinstance(held, str) else []),
+            *([sofar] if sofar else []),
         ]
 
     def max_tokens(self) -> int:

@@ -50,3 +50,11 @@ def test_the_sidebar_says_a_hostile_server_in_one_line(server, mode, monkeypatch
     assert heading in text and says in text, text
     assert "\n" not in errors[0] and len(errors[0]) < MESSAGE_CHARS + 300, errors[0]
     assert seconds < 15, seconds  # the first run imports the app; the server costs a read timeout at most
+
+
+def test_the_sidebar_says_a_streamed_servers_bytes_per_tier_and_not_what_it_cannot_trust(server):
+    server.mode = "streamed"
+    model = _open_server(server.url, None)
+    assert model.describe()[-1] == "streamed so far: weights 2.0 GB from disk, 0.0 MB from host memory, 0.5 GB kept on the device"
+    server.mode = "wrong_streamed"  # strings, a number past any float, a negative count: left unsaid
+    assert not any("streamed" in line for line in model.describe())

@@ -197,7 +197,7 @@ def test_gpu_check_runs_every_phase_on_the_cpu(tmp_path):
     code, summary, table = gpu_check(tmp_path, "--tokens", "12", "--generate", "2", "--compare-tokens", "6")
     phases = {p["name"]: p for p in summary["phases"]}
     assert code == 0 and summary["ok"], json.dumps(summary, indent=1)[-4000:]
-    assert list(phases) == ["disk", "run", "server", "plan", "kernels", "cpu_compare"]
+    assert list(phases) == ["disk", "run", "server", "plan", "kernels", "tiers", "cpu_compare"]
     assert all(name in table for name in phases) and "ok in" in table
     disk = phases["disk"]
     assert disk["blocks"] == 3 and disk["bytes"] > 0 and disk["write_gbps"] > 0 and disk["read_gbps"] > 0
@@ -211,6 +211,8 @@ def test_gpu_check_runs_every_phase_on_the_cpu(tmp_path):
     plan = phases["plan"]
     assert plan["plan_load"] == "resident" and 0.8 <= plan["predicted_over_measured"] <= 1.2
     assert phases["kernels"]["products_equal_share"] == 1.0 and "not on the CPU" in phases["kernels"]["forward"]
+    tiers = phases["tiers"]  # the whole tiny model in the device budget: the second request reads nothing
+    assert tiers["second"]["disk_bytes"] == 0 < tiers["first"]["disk_bytes"] and tiers["decode"]["expert_hit_rate"] is not None
     assert phases["cpu_compare"]["cpu_resident_vs_cpu"]["rows_differing"] == 0  # the CPU against itself
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())  # the checkpoint removed
 
@@ -219,7 +221,7 @@ def test_gpu_check_skips_what_its_budget_cannot_hold_and_says_so(tmp_path):
     code, summary, table = gpu_check(tmp_path, "--budget-s", "20")
     assert code == 1 and not summary["ok"]
     assert [(p["name"], p["status"]) for p in summary["phases"]] == [
-        (name, "skipped") for name in ("disk", "run", "server", "plan", "kernels", "cpu_compare")
+        (name, "skipped") for name in ("disk", "run", "server", "plan", "kernels", "tiers", "cpu_compare")
     ]
     assert "no time left" in summary["phases"][0]["reason"] and "needs checkpoint" in summary["phases"][1]["reason"]
     assert "FAILED" in table and "skipped" in table
@@ -231,6 +233,7 @@ def test_real_width_first_four_blocks_stream_in_bounded_memory(tmp_path):
     out = tmp_path / "trace.safetensors"
     argv = [sys.executable, "-m", "tracing", "run", "--synthetic", str(REPO / "assets" / "configs" / "config_671B_hf.json")]
     argv += ["--n-layers", "4", "--stream", "--token-ids", "1,2,3,4,5,6,7,8", "--out", str(out)]
+    argv += ["--device-budget", "0", "--host-budget", "0"]  # the stream's own bound, nothing kept between passes
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     import resource

@@ -77,6 +77,10 @@ TRACES = {  # mode: (status, the answer's chunks) for POST /trace
     "not_safetensors": lambda trace: (200, iter([QUEUED, b'{"trace": 16}\n', b"0123456789abcdef"])),
     "petabyte_trace": lambda trace: (200, iter([b'{"trace": 1000000000000000}\n'])),
 }
+HEALTHS = {  # mode: GET /health's answer (a streamed server's byte totals, right and wrong)
+    "streamed": {**HEALTH, "streamed": {"disk_bytes": 2 * 10**9, "host_bytes": 0, "device_hit_bytes": 5 * 10**8}},
+    "wrong_streamed": {**HEALTH, "streamed": {"disk_bytes": "lots", "host_bytes": 10**400, "device_hit_bytes": -1}},
+}
 INFOS = {  # mode: the answer's chunks for GET /info
     "huge_info": lambda: _endless(b'{"model": "tiny", "padding": "', HUGE, b'"}'),
     "malformed_info": lambda: iter([b'{"model": "tiny", "config": {']),
@@ -108,6 +112,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(200, INFOS[self.server.mode]())
         elif self.path == "/health" and self.server.mode == "drip":
             self._answer(200, _drip(b'{"queue": '))
+        elif self.path == "/health" and self.server.mode in HEALTHS:
+            self._answer(200, _json(HEALTHS[self.server.mode]))
         else:
             self._answer(200, _json(INFO if self.path == "/info" else HEALTH))
 

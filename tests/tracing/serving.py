@@ -20,9 +20,10 @@ TOKEN = "a-token-of-sixteen-or-more"
 
 
 @contextmanager
-def in_process(checkpoint: str) -> Iterator[tuple[TestClient, State, Loaded]]:
-    """(client with the bearer token, server state, loaded model); the worker stops on leaving."""
-    loaded = open_checkpoint(checkpoint)
+def in_process(checkpoint: str, **options) -> Iterator[tuple[TestClient, State, Loaded]]:
+    """(client with the bearer token, server state, loaded model; ``options`` go to
+    open_checkpoint: ``stream=True, budgets=...``); the worker stops on leaving."""
+    loaded = open_checkpoint(checkpoint, **options)
     state = State(Limits(max_prompt_tokens=64, max_generate=8, max_body_bytes=1 << 20, max_queue=2), Queue(2), TOKEN)
     stopping = threading.Event()
     model = Model(loaded)

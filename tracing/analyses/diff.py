@@ -372,6 +372,7 @@ def trace_checkpoints(
     dtype: torch.dtype = torch.bfloat16,
     stream: bool | None = False,
     on_block: Callable[[int, int, int], None] | None = None,
+    budgets: tuple[int | None, int | None] = (None, None),
 ) -> tuple[Trace, Trace]:
     """``request`` traced on checkpoint ``a``, then on ``b`` (directories, or ``demo``), with the same
     sites plus ``logits.all`` (the per-position KL). Refused before any model loads when the shapes
@@ -405,7 +406,7 @@ def trace_checkpoints(
     )
     traces = []
     for which, directory in enumerate(directories):
-        loaded = open_checkpoint(directory, device, dtype, stream, mtp=False)
+        loaded = open_checkpoint(directory, device, dtype, stream, mtp=False, budgets=budgets)  # budgets: streamed tiers
         traces.append(
             run(
                 loaded.model,

@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..runner import TraceRequest
 from ..trace import Trace
 from .inputs import named_path, token_ids
-from .loading import add_device_options, parse_device, parse_dtype, refuse_server
+from .loading import add_device_options, budgets_from_args, parse_device, parse_dtype, refuse_server
 from .output import REUSED
 from .progress import ProgressBar
 
@@ -115,6 +115,7 @@ def _diff_checkpoints(args: argparse.Namespace) -> int:
             dtype=dtype,
             stream=True if args.stream else None,
             on_block=on_block,
+            budgets=budgets_from_args(args),
         )
     finally:
         for bar in bars:

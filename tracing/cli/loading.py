@@ -34,8 +34,23 @@ def parse_dtype(name: str) -> torch.dtype:
         raise InputError(f"--dtype {name!r}: choose bfloat16 or float32") from None
 
 
+def parse_budget(flag: str, text: str) -> int | None:
+    """``--device-budget``/``--host-budget``: ``auto`` (None), ``0``, or an amount like 40GiB or 512MiB."""
+    from ..plan import parse_memory
+
+    text = str(text).strip()
+    if text.lower() == "auto":
+        return None
+    if text in ("0", "0B"):
+        return 0
+    try:
+        return parse_memory(text)
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: give auto, 0 or an amount of memory like 40GiB or 512MiB") from None
+
+
 def add_device_options(parser) -> None:
-    """--device, --dtype and --stream, as every command that runs a model takes them."""
+    """--device, --dtype, --stream and the tiers' budgets, as every command that runs a model takes them."""
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, as the reference) or float32")
     parser.add_argument(
@@ -45,6 +60,20 @@ def add_device_options(parser) -> None:
     )
     parser.add_argument(
         "--stream", action="store_true", help="load one block at a time (automatic when the model does not fit in memory)"
+    )
+    parser.add_argument(
+        "--device-budget",
+        default="auto",
+        metavar="SIZE",
+        help="streamed: the device memory kept for weights across passes (every non-expert weight first, then the"
+        " experts used last), e.g. 40GiB or 0 (default auto: the free memory less what a request needs)",
+    )
+    parser.add_argument(
+        "--host-budget",
+        default="auto",
+        metavar="SIZE",
+        help="streamed: host memory (pinned on a GPU) kept for the weights the device does not keep, e.g. 600GiB or 0"
+        " (default auto: the available memory less a reserve)",
     )
     parser.add_argument(
         "--inexact-fp8-sums",
@@ -79,6 +108,8 @@ def refuse_local_flags(args: argparse.Namespace) -> None:
         ("--n-layers", args.n_layers is not None),
         ("--no-mtp", args.no_mtp),
         ("--inexact-fp8-sums", args.inexact_fp8_sums),
+        ("--device-budget", str(getattr(args, "device_budget", "auto")).lower() != "auto"),
+        ("--host-budget", str(getattr(args, "host_budget", "auto")).lower() != "auto"),
     )
     local = [flag for flag, on in given if on]
     if args.device != "cpu" or args.dtype != "bfloat16":
@@ -100,12 +131,25 @@ def open_from_args(args, device, dtype, progress=None, split: bool = True, group
     """The model that :func:`add_source_options` and :func:`add_device_options` named (``tokens``:
     the positions a request may hold, for the decision to stream)."""
     stream = True if args.stream else None  # None: stream when the model does not fit in memory
+    budgets = budgets_from_args(args)
     if args.synthetic:
-        return open_synthetic(args.synthetic, args.n_layers, device, dtype, stream, progress, split, group, tokens=tokens)
+        return open_synthetic(
+            args.synthetic, args.n_layers, device, dtype, stream, progress, split, group, tokens=tokens, budgets=budgets
+        )
     if args.n_layers is not None:
         raise InputError("--n-layers applies to --synthetic only")
     mtp = False if getattr(args, "no_mtp", False) else None
-    return open_checkpoint(args.checkpoint, device, dtype, stream, progress, split, group, mtp=mtp, tokens=tokens)
+    return open_checkpoint(
+        args.checkpoint, device, dtype, stream, progress, split, group, mtp=mtp, tokens=tokens, budgets=budgets
+    )
+
+
+def budgets_from_args(args) -> tuple[int | None, int | None]:
+    """(device, host) budgets of the tiers a stream keeps (model.tiers); None: automatic."""
+    return (
+        parse_budget("--device-budget", getattr(args, "device_budget", "auto")),
+        parse_budget("--host-budget", getattr(args, "host_budget", "auto")),
+    )
 
 
 def parse_device(name: str) -> torch.device:
@@ -137,13 +181,14 @@ class Loaded:
     plan: object = None
     progress: object = None
     load: object = None  # tracing.plan.Load: held or streamed, and why (None where not decided)
+    tiers: object = None  # model.tiers.Tiers: what streamed passes keep between them (with ``stream``)
 
     def context(self):
         if not self.stream:
             return None
         from model.stream import Streamer
 
-        return Streamer(self.model, self.source, self.device, plan=self.plan, progress=self.progress)
+        return Streamer(self.model, self.source, self.device, plan=self.plan, progress=self.progress, tiers=self.tiers)
 
     def run(self, prompts: str | list[str], hooks=None, **request):
         """Trace a prompt (a Trace) or several (a list of Traces, one run each, in order):
@@ -180,6 +225,7 @@ def open_source(
     group=None,
     mtp: bool | None = None,
     tokens: int | None = None,
+    budgets: tuple[int | None, int | None] = (None, None),
 ) -> Loaded:
     """Load ``source`` for tracing: whole, or streamed (``stream``; None decides per rank, by
     tracing.plan.decide_load: this rank's part and a request of ``tokens`` positions against its
@@ -187,10 +233,12 @@ def open_source(
     launch when there is one (``split``: tensor and expert parallel over ``group``, default every
     rank; without it every rank holds the whole model, for data parallel work). ``mtp``: the
     checkpoint's MTP module (None: loaded when it has one; streamed like a block, split over the
-    ranks like a block). The decision is ``Loaded.load``."""
+    ranks like a block). The decision is ``Loaded.load``. Streamed, ``Loaded.tiers`` keeps weights
+    across passes within ``budgets`` (device, host; None: tracing.plan.tier_budgets decides)."""
     from model import parallel
+    from model.tiers import Tiers
 
-    from ..plan import DEFAULT_TOKENS, decide_load
+    from ..plan import DEFAULT_TOKENS, decide_load, tier_budgets
 
     device = torch.device(device)
     dist = parallel.init_distributed(device)
@@ -207,7 +255,11 @@ def open_source(
         model = build_model(source.args, dtype, mtp=wants_mtp(source, mtp))
         plan = parallel.parallelize(model, group) if dist is not None and split else None
         check_mtp_copies(model, source, plan.parts if plan is not None else None)
-        return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress, load)
+        kept = tier_budgets(source, device, dtype, mtp, rank, world, tokens or DEFAULT_TOKENS, load, *budgets)
+        tiers = Tiers(device, *kept)
+        if load is not None:
+            load.kept = kept
+        return Loaded(model.eval(), tokenizer, source, label, device, True, plan, progress, load, tiers)
     if dist is not None and split:
         model, plan = parallel.load_parallel(source, device, dtype, group, mtp=mtp)
         return Loaded(model, tokenizer, source, label, device, False, plan, load=load)
@@ -224,12 +276,13 @@ def open_checkpoint(
     group=None,
     mtp: bool | None = None,
     tokens: int | None = None,
+    budgets: tuple[int | None, int | None] = (None, None),
 ) -> Loaded:
     directory = resolve_checkpoint(path)
     source = SafetensorsSource(directory)
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     label = "demo" if directory == DEMO else str(directory)
-    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group, mtp, tokens)
+    return open_source(source, label, tokenizer, device, dtype, stream, progress, split, group, mtp, tokens, budgets)
 
 
 def open_synthetic(
@@ -242,12 +295,15 @@ def open_synthetic(
     split: bool = True,
     group=None,
     tokens: int | None = None,
+    budgets: tuple[int | None, int | None] = (None, None),
 ) -> Loaded:
     try:
         source = synthetic_source(config, n_layers)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
-    return open_source(source, f"synthetic:{config}", None, device, dtype, stream, progress, split, group, tokens=tokens)
+    return open_source(
+        source, f"synthetic:{config}", None, device, dtype, stream, progress, split, group, tokens=tokens, budgets=budgets
+    )
 
 
 def load(checkpoint: str | Path = "demo", device: str = "cpu", dtype: str = "bfloat16", stream: bool | None = False) -> Loaded:

@@ -254,6 +254,10 @@ def said(trace: Trace, args: argparse.Namespace) -> str:
             line += f"; MTP drafts accepted {mtp['accepted']}/{mtp['drafts']} ({mtp['rate']:.0%})"
     elif not (top := next_token_table(trace, 1)).empty:
         line += f"; next token {top['token'].iloc[0]!r} (p={top['probability'].iloc[0]:.3f})"
+    if streamed := trace.extra.get("stream"):
+        from ..plan import weights_said
+
+        line += "; " + weights_said(streamed)
     return line + f"; {args.out}" + (f", tables in {args.csv}" if args.csv else "")
 
 

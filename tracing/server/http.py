@@ -1,7 +1,8 @@
 """The server's HTTP side (Starlette, served by uvicorn on rank 0's second thread).
 
     GET  /health   200 {"model", "dtype", "device", "ranks", "stream", "load", "queue", "running"} once the model is
-                   loaded ("load": held or streamed, what a request reads from disk, rank 0's memory plan); 503 before
+                   loaded ("load": held or streamed, what a request reads from disk, rank 0's memory plan; streamed,
+                   "streamed": rank 0's disk_bytes, host_bytes and device_hit_bytes over every request); 503 before
     GET  /info     the model's config and vocabulary facts, what a client needs to build requests
     POST /encode   a request's token ids, checked as /trace checks them
     POST /trace    a request; the answer streams its place, its progress and heartbeats, then the trace file (tracing.server.wire)
@@ -94,7 +95,10 @@ def make_app(state: State) -> Starlette:
         if state.model is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         running = state.jobs.running is not None
-        return JSONResponse({**state.facts["health"], "queue": len(state.jobs), "running": running})
+        body = {**state.facts["health"], "queue": len(state.jobs), "running": running}
+        if state.model.loaded.stream:  # rank 0's weights over every request so far: disk, host tier, device tier
+            body["streamed"] = {"disk_bytes": 0, "host_bytes": 0, "device_hit_bytes": 0, **state.model.streamed}
+        return JSONResponse(body)
 
     async def info(request: Request) -> Response:
         return JSONResponse(state.facts["info"])

@@ -128,6 +128,7 @@ class Model:
     faults: list[Fault] = field(default_factory=list)  # tests of the failure paths (ranks.faults_from_env)
     requests: int = 0  # the requests that reached this rank
     dictionaries: dict = field(default_factory=dict)  # name -> Dictionary (serve --dictionaries): what a request names
+    streamed: dict = field(default_factory=dict)  # streamed: this rank's bytes of every request, by where they came from
 
     def __post_init__(self) -> None:
         for block in {fault.block for fault in self.faults if fault.kind == "mid"}:
@@ -136,7 +137,7 @@ class Model:
 
     def run(self, request: TraceRequest, on_block, on_step):
         loaded = self.loaded
-        return run(
+        trace = run(
             loaded.model,
             request,
             loaded.tokenizer,
@@ -148,6 +149,10 @@ class Model:
             plan=loaded.plan,
             dictionaries=self.dictionaries,
         )
+        for key, value in trace.extra.get("stream", {}).items():
+            if key.endswith("_bytes"):
+                self.streamed[key] = self.streamed.get(key, 0) + value
+        return trace
 
 
 def check(request: TraceRequest, model: Model, limits: Limits) -> list[int]:
