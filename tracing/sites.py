@@ -818,7 +818,8 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
     """Site names matching glob patterns (``*`` crosses dots); 'default', 'attribution' (with its
     defaults: the last position's top prediction), 'flow' (the contribution graph), 'gradient' (with
     a request's ``gradient_of``), 'features' (a run's dictionaries') and 'all' are shorthands. A
-    gradient's site (``grad.*``) matches only a pattern that names it (one that holds "grad").
+    gradient's site (``grad.*``) matches only a pattern that names it (one that holds "grad"), a
+    dictionary's (``*.features.*``) one that holds "features".
 
     Raises InputError for a pattern of the user's that matches nothing, so typos do not silently
     record nothing; the default patterns need not match (a model without a MoE block has no gate).
@@ -838,8 +839,8 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
             matched = [n for n in names if analysis(n) == pattern]
         elif pattern == "all":  # not the analyses: the attribution needs a position and a target, the graph is costly
             matched = [n for n in names if not analysis(n)]
-        else:  # the gradient's sites only by a pattern that says so: 'layers.*.resid_pre' means the stream
-            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern) and ("grad" in pattern or analysis(n) != "gradient")]
+        else:  # the gradient's and the dictionaries' sites only by a pattern that says so: 'layers.*' means the model's
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern) and _names_analysis(pattern, analysis(n))]
             if not matched and any(fnmatch.fnmatchcase(n, pattern) for n in _MTP):
                 raise InputError(f"--record pattern {pattern!r}: {MTP_MISSING}")
             if not matched and not args.has_indexer and _indexer_only(pattern):
@@ -848,6 +849,12 @@ def select(args: ModelArgs, patterns: str | tuple[str, ...] | list[str] | None) 
                 raise InputError(f"--record pattern {pattern!r} matches no trace site (e.g. layers.*.ffn.gate.*)")
         chosen.update(dict.fromkeys(matched))
     return sorted(_with_groups(args, list(chosen)), key=site_order)
+
+
+def _names_analysis(pattern: str, of: str) -> bool:
+    """Whether a glob pattern takes a site of analysis ``of``: a gradient's (``grad.*``) and a
+    dictionary's (``*.features.*``) only where the pattern says so."""
+    return (of != "gradient" or "grad" in pattern) and (of != FEATURES or FEATURES in pattern)
 
 
 # sites read together: a trace holding one of a group holds all of them (per block for BLOCK_GROUPS);

@@ -11,10 +11,12 @@ from tracing.runner import trace_tokens
 from tracing.sites import (
     MAX_FEATURES,
     REGISTRY,
+    analysis,
     hook_points,
     index_range,
     layer_site,
     markdown_table,
+    select,
     site_name,
     site_shapes,
     spec,
@@ -91,3 +93,10 @@ def test_every_recorded_site_is_in_the_registry_with_its_dtype(tiny_model):
 
 def test_the_docs_table_is_the_registry():
     assert markdown_table() in DOCS.read_text(), "docs/cli.md's site table differs from tracing.sites.markdown_table()"
+
+
+def test_a_broad_pattern_takes_the_models_sites_not_a_gradients_or_a_dictionarys():
+    broad = select(TINY, "layers.*")
+    assert broad and not any(analysis(n) in ("gradient", "features") for n in broad)
+    asked = select(TINY, "layers.1.*.features.*")
+    assert asked and {analysis(n) for n in asked} == {"features"}
