@@ -23,16 +23,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # The files that take longest (docs/testing.md), started first: pytest-xdist hands each worker a
-# whole file at a time in the order collected, and a long file begun last leaves the other worker idle.
+# whole file at a time in the order collected (pyproject's --no-loadscope-reorder keeps this order
+# rather than the largest files by test count first), and a long file begun last leaves the other
+# workers idle at the end.
 FIRST = (
     "tests/app/test_browser.py",
     "tests/tracing/test_server.py",
-    "tests/tracing/atlas/test_atlas.py",
-    "tests/model/test_real_width.py",
     "tests/tracing/cli/test_cli.py",
     "tests/tracing/test_plan.py",
     "tests/app/test_app_server.py",
+    "tests/tracing/atlas/test_atlas.py",
     "tests/model/test_parallel.py",
+    "tests/model/test_threads.py",
+    "tests/app/test_app_interventions.py",
+    "tests/tracing/test_server_commands.py",
+    "tests/model/test_real_width.py",
+    "tests/model/test_stream.py",
 )
 
 
