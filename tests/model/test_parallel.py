@@ -142,6 +142,12 @@ def worker(out: Path, cases: dict[str, str]) -> None:
                 (out / f"{name}-no-mtp.json").write_text(json.dumps(said))
         else:  # rank 1's own view of the replicated values, to check the ranks agree
             save_file(values, str(out / f"{name}-rank1.safetensors"), metadata=meta)
+    if "tiny" in cases:  # the load decision under torchrun: only rank 1's device is too small
+        from tracing.plan import decide_load
+
+        free = 10**12 if ctx.rank == 0 else 10**6
+        load = decide_load(SafetensorsSource(cases["tiny"]), torch.device("cpu"), rank=ctx.rank, world=2, agree=True, free=free)
+        (out / f"agree-{ctx.rank}.txt").write_text(load.mode)
     torch.distributed.destroy_process_group()
 
 
@@ -284,6 +290,12 @@ def test_ranks_hold_their_part_and_agree(two_ranks):
     with safe_open(str(two_ranks / "v3.safetensors"), "pt") as f:  # a split MoE keeps its family's arithmetic
         ffn = json.loads(f.metadata()["ffn"])
     assert ffn[0][0] == "model.v3.MLP" and all({"model.v3.MoE", "model.parallel.ExpertParallelMoE"} <= set(m) for m in ffn[1:])
+
+
+def test_ranks_agree_to_stream_when_one_rank_must(two_ranks):
+    """tracing.plan.decide_load with ``agree``: rank 0 could hold the model, rank 1 could not, and
+    both stream (the ranks run one forward together)."""
+    assert [(two_ranks / f"agree-{rank}.txt").read_text() for rank in (0, 1)] == ["stream", "stream"]
 
 
 def test_plan_splits_the_671b_model_on_block_boundaries():
