@@ -9,6 +9,10 @@ by float32 summation order (partial products summed across ranks); after the cas
 that moves a value by at most one bfloat16 unit in rare elements, so residuals, scores and
 logits are compared with rtol = atol = 2**-7 (one bfloat16 unit at 1), and in practice agree
 much more closely (the largest difference is printed when a test fails).
+
+The same launch, last, checks the derived attention sites under tensor parallelism: the indexer's
+recall and KL and the mean attention (``probs_mean``) are formed from each rank's own heads, the
+means over heads adding the ranks' sums; no rank gathers every head (the gather fails there).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from model.parallel import ParallelError, gather_heads, init_distributed, make_p
 from model.synthetic import SyntheticSource, v3_layout, write_synthetic_checkpoint  # noqa: E402
 from tests.model.test_mtp import mtp_checkpoint  # noqa: E402
 from tracing.analyses.mtp import NOTE_SKIPPED  # noqa: E402
-from tracing.runner import trace_tokens  # noqa: E402
+from tracing.errors import InputError  # noqa: E402
+from tracing.runner import TraceRequest, run, trace_tokens  # noqa: E402
 from tracing.sites import layer_site, spec  # noqa: E402
 
 DEMO = REPO / "assets" / "demo"
@@ -114,6 +119,7 @@ def worker(out: Path, cases: dict[str, str]) -> None:
 
     ctx = init_distributed("cpu")
     assert ctx is not None and ctx.world == 2
+    heads = cases.pop("heads", None)  # the derived sites' checkpoint, last
     for name, directory in cases.items():
         source = SafetensorsSource(directory)
         tokens = case_tokens(source.args.vocab_size)
@@ -148,7 +154,59 @@ def worker(out: Path, cases: dict[str, str]) -> None:
         free = 10**12 if ctx.rank == 0 else 10**6
         load = decide_load(SafetensorsSource(cases["tiny"]), torch.device("cpu"), rank=ctx.rank, world=2, agree=True, free=free)
         (out / f"agree-{ctx.rank}.txt").write_text(load.mode)
+    if heads is not None:
+        rank_local_sites(out, heads, ctx.rank)  # last: it makes gathering every head fail
     torch.distributed.destroy_process_group()
+
+
+# the derived attention sites from each rank's own heads
+
+RANK_LOCAL = "layers.*.attn.indexer.recall,layers.*.attn.indexer.kl,layers.*.attn.probs_mean,layers.*.attn.indexer.topk_indices"
+RUNS = {"prefill": None, "decode": TOKENS - 6}  # one prefill; or 6 decode steps of one query each
+PATCHED = "layers.2.resid_post,logits.last"
+
+
+def head_outputs(args) -> torch.Tensor:
+    return torch.randn(TOKENS, args.n_heads, args.v_head_dim, generator=torch.Generator().manual_seed(1))  # (T, H, Dv)
+
+
+def rank_local_traces(model, plan=None) -> dict[str, dict[str, torch.Tensor]]:
+    """The derived sites in a prefill and in decode steps; and a run with block 1's head outputs
+    patched (every head, as a one-process trace holds them), whole and at positions 5..8."""
+    ids = case_tokens(model.args.vocab_size)[0].tolist()
+    out = {how: trace_tokens(model, ids, record=RANK_LOCAL, plan=plan, prefill=p).tensors for how, p in RUNS.items()}
+    heads = head_outputs(model.args)
+    for how, positions in (("patched", None), ("patched-at", "5:9")):
+        request = TraceRequest(
+            token_ids=ids, record=PATCHED, patches={"layers.1.attn.head_out": heads}, patch_positions=positions
+        )
+        out[how] = run(model, request, plan=plan).tensors
+    return out
+
+
+def rank_local_sites(out: Path, directory: str, rank: int) -> None:
+    import model.parallel as parallel
+    from model.parallel import load_parallel
+    from tracing.analyses.ranks import Ranks
+
+    def gathered(*args, **kwargs):
+        raise AssertionError("a derived site gathered every head of a block")
+
+    parallel.gather_heads = Ranks.heads = gathered  # what recording a per-head site would call: nothing here may
+    model, plan = load_parallel(SafetensorsSource(directory), "cpu")
+    for how, tensors in rank_local_traces(model, plan).items():
+        if rank == 0:
+            meta = {"split": json.dumps(plan.split_attention)}
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / f"heads-{how}.safetensors"), meta)
+    bad = head_outputs(model.args)
+    bad[3, -1, 0] = float("nan")  # in the last head: rank 1's
+    ids = case_tokens(model.args.vocab_size)[0].tolist()
+    try:
+        run(model, TraceRequest(token_ids=ids, record=PATCHED, patches={"layers.1.attn.head_out": bad}), plan=plan)
+        said = "ran"
+    except InputError as exc:
+        said = str(exc)
+    (out / f"heads-nan-rank{rank}.txt").write_text(said)
 
 
 def _free_port() -> int:
@@ -210,9 +268,17 @@ def cases(tiny_checkpoint, tp_checkpoint, mtp_tp_checkpoint, v3_tp_checkpoint) -
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, cases) -> Path:
+def heads_checkpoint(tmp_path_factory) -> Path:
+    """A model whose every block's heads split over two ranks, for the derived attention sites."""
+    source = SyntheticSource(TP_TINY, seed=3)
+    tensors = {name: source.load(name) for name in source.specs()}
+    return save_checkpoint(tensors, TP_TINY, tmp_path_factory.mktemp("heads") / "ckpt", n_shards=2)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, cases, heads_checkpoint) -> Path:
     out = tmp_path_factory.mktemp("ranks")
-    run_two_ranks(out, cases)
+    run_two_ranks(out, {**cases, "heads": heads_checkpoint})
     return out
 
 
@@ -296,6 +362,33 @@ def test_ranks_agree_to_stream_when_one_rank_must(two_ranks):
     """tracing.plan.decide_load with ``agree``: rank 0 could hold the model, rank 1 could not, and
     both stream (the ranks run one forward together)."""
     assert [(two_ranks / f"agree-{rank}.txt").read_text() for rank in (0, 1)] == ["stream", "stream"]
+
+
+def test_two_ranks_derive_recall_kl_and_mean_attention_from_their_own_heads(two_ranks, heads_checkpoint):
+    """Selections exactly, values to float32 rounding, in a prefill and in decode steps."""
+    want = rank_local_traces(load_model(heads_checkpoint))
+    for how in RUNS:
+        got = load_file(str(two_ranks / f"heads-{how}.safetensors"))
+        assert sorted(got) == sorted(want[how]) and len(got) == 1 + 4 * TP_TINY.n_layers
+        for name, value in want[how].items():
+            if value.dtype == torch.int64:
+                assert torch.equal(got[name], value), f"{how} {name}: selections differ"
+            else:
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"{how} {name}")
+        recall = torch.stack([got[f"layers.{i}.attn.indexer.recall"] for i in range(TP_TINY.n_layers)])
+        assert (recall[:, TP_TINY.index_topk + 1 :] < 1).any()  # queries past index_topk: the selection dropped keys
+    for how in ("patched", "patched-at"):  # a head's output put in on the rank that computes it
+        got = load_file(str(two_ranks / f"heads-{how}.safetensors"))
+        assert sorted(got) == sorted(want[how])
+        for name, value in want[how].items():  # bfloat16 values after float32 sums in another order: TOL
+            torch.testing.assert_close(got[name], value, rtol=TOL, atol=TOL, msg=f"{how} {name}")
+    assert not torch.equal(want["patched"]["logits.last"], want["patched-at"]["logits.last"])
+    for rank in (0, 1):  # a NaN in one rank's heads: every rank refuses the patch alike
+        assert "holds NaN or infinite values" in (two_ranks / f"heads-nan-rank{rank}.txt").read_text()
+    from safetensors import safe_open
+
+    with safe_open(str(two_ranks / "heads-prefill.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["split"]) == list(range(TP_TINY.n_layers))  # every block's heads were split
 
 
 def test_plan_splits_the_671b_model_on_block_boundaries():
