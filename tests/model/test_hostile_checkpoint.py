@@ -2,7 +2,6 @@
 Each is refused with one line (exit status 2 on the command line) before it costs much, or works."""
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -231,12 +230,15 @@ def test_a_crafted_config_costs_little_in_a_fresh_process(tmp_path):
         "import resource, sys, time; import torch; from tracing.cli.commands import main; "
         "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; t = time.perf_counter(); "
         f"code = main(['info', '--config', {str(path)!r}]); "
-        "print(code, time.perf_counter() - t, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024)"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "print(code, time.perf_counter() - t, (peak - rss) / 1024, peak)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    code, seconds, grown_mb = proc.stdout.split()
+    code, seconds, grown_mb, peak_kib = proc.stdout.split()
     assert code == "2" and float(seconds) < 2 and float(grown_mb) < 500, proc.stdout + proc.stderr
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 << 20  # KiB: the whole process under 2 GiB
+    # the whole process under 2 GiB, as it measures itself (this worker's RUSAGE_CHILDREN holds the
+    # largest of every child it waited for, rank launches included)
+    assert int(peak_kib) < 2 << 20
 
 
 def test_a_config_larger_than_its_checkpoint_is_refused_before_building(capsys, ckpt):
