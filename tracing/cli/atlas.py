@@ -69,15 +69,13 @@ def add_parser(sub) -> None:
 
 def cmd_atlas(args: argparse.Namespace) -> int:
     from model.checkpoint import SafetensorsSource
-    from model.config import ConfigError
-    from model.synthetic import synthetic_source
 
     from ..analyses.intervention_specs import from_spec
     from ..atlas import AtlasJob
     from ..atlas.build import shard_fingerprint
     from ..atlas.corpus import Source
     from ..tokenizer import Tokenizer
-    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint
+    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint, synthetic_with_tokenizer
 
     interventions = tuple(from_spec(intervention_spec(args)))
     if any(getattr(i, "positions", None) is not None for i in interventions):
@@ -88,13 +86,8 @@ def cmd_atlas(args: argparse.Namespace) -> int:
     weights = None
     sources = [Source(Path(f)) for f in args.text_file or ()] + [Source(Path(f), args.field) for f in args.jsonl or ()]
     if args.synthetic:
-        if args.tokenizer is None:
-            raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
-        try:
-            config = synthetic_source(args.synthetic, args.n_layers).args
-        except ConfigError as exc:
-            raise InputError(str(exc)) from None
-        tokenizer, label = Tokenizer(resolve_checkpoint(args.tokenizer)), f"synthetic:{args.synthetic}"
+        config, tokenizer_dir = synthetic_with_tokenizer(args)
+        tokenizer, label = Tokenizer(tokenizer_dir), f"synthetic:{args.synthetic}"
     else:
         for flag in ("n_layers", "tokenizer"):
             if getattr(args, flag) is not None:

@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..atlas.corpus import Source
     from ..dictionary.train import Settings, TrainJob
     from ..tokenizer import Tokenizer
-    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint
+    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint, synthetic_with_tokenizer
 
     if not 0 < args.buffer_mb <= 1 << 20:
         raise InputError(f"--buffer-mb {args.buffer_mb}: between 0 and 1048576")
@@ -121,16 +121,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         model = Client(args.server, read_token_file(args.token_file))
         config = ModelArgs.from_json(model.info()["config"])
     elif args.synthetic:
-        from model.config import ConfigError
-        from model.synthetic import synthetic_source
-
-        if args.tokenizer is None:
-            raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
-        try:
-            config = synthetic_source(args.synthetic, args.n_layers).args
-        except ConfigError as exc:
-            raise InputError(str(exc)) from None
-        tokenizer, label = Tokenizer(resolve_checkpoint(args.tokenizer)), f"synthetic:{args.synthetic}"
+        config, tokenizer_dir = synthetic_with_tokenizer(args)
+        tokenizer, label = Tokenizer(tokenizer_dir), f"synthetic:{args.synthetic}"
     else:
         from model.checkpoint import SafetensorsSource
 

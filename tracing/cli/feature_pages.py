@@ -58,23 +58,14 @@ def cmd_features(args: argparse.Namespace) -> int:
     from ..dictionary.pages import PageSettings, feature_pages
     from ..tables import write_tables
     from ..tokenizer import Tokenizer
-    from .loading import open_from_args, parse_device, parse_dtype, resolve_checkpoint
+    from .loading import open_from_args, parse_device, parse_dtype, resolve_checkpoint, synthetic_with_tokenizer
     from .output import check_directory
     from .progress import ProgressBar
 
     check_directory(args.out)
     settings = PageSettings(contexts=args.contexts, window=args.window, logit_tokens=args.logit_tokens).check()
     if args.synthetic:
-        from model.config import ConfigError
-        from model.synthetic import synthetic_source
-
-        if args.tokenizer is None:
-            raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
-        try:
-            config = synthetic_source(args.synthetic, args.n_layers).args
-        except ConfigError as exc:
-            raise InputError(str(exc)) from None
-        tokenizer_dir = resolve_checkpoint(args.tokenizer)
+        config, tokenizer_dir = synthetic_with_tokenizer(args)
     else:
         from model.checkpoint import SafetensorsSource
 

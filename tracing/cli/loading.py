@@ -27,6 +27,18 @@ def resolve_checkpoint(value: str | Path) -> Path:
     return DEMO if str(value) == "demo" else Path(value).expanduser()
 
 
+def synthetic_with_tokenizer(args) -> tuple:
+    """``--synthetic CONFIG [--n-layers N] --tokenizer DIR`` for a command that cuts texts into
+    tokens: the config (ModelArgs) and the tokenizer's directory (synthetic weights have none)."""
+    if args.tokenizer is None:
+        raise InputError("synthetic weights have no tokenizer: pass --tokenizer DIR (a tokenizer.json's directory, or demo)")
+    try:
+        config = synthetic_source(args.synthetic, args.n_layers).args
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    return config, resolve_checkpoint(args.tokenizer)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
