@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import fp8
 from ..fp8 import BLOCK, FP8, Rounded
+from . import fp8 as routes
 from . import weights
 
 PARTIALS_BYTES = 64 << 20  # bound on one chunk's float32 block partials (as much again for their scales)
@@ -146,26 +147,15 @@ def _kept(weight: torch.Tensor, key: Hashable, make: Callable[[], torch.Tensor],
 # --- values ------------------------------------------------------------------------------------------
 
 
-def dequant(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    """model.fp8.dequant, bit for bit; with power-of-two scales (``pow2``) formed in ``dtype``
-    directly (exact there), with no float32 intermediate."""
-    *lead, k = codes.shape
-    form = dtype if pow2 and dtype in (torch.bfloat16, torch.float32) else torch.float32
-    values = codes.to(form).reshape(*lead, k // BLOCK, BLOCK) * scale.to(form).unsqueeze(-1)  # (..., K/128, 128)
-    return values.reshape(codes.shape).to(dtype)
-
-
 def values(r: Rounded, dtype: torch.dtype) -> torch.Tensor:
-    """Rounded.values(dtype), made as :func:`dequant` makes it; once per dtype."""
-    made = r.made.get(dtype)
-    if made is None:
-        made = r.made[dtype] = dequant(r.codes, r.scale, dtype, r.pow2)
-    return made
+    """Rounded.values(dtype) through torch's conversion (kernels.fp8.converted: formed in ``dtype``
+    directly where the scales are powers of two, no read back to the host); once per dtype."""
+    return routes.values(r, dtype, routes.converted)
 
 
 def fake_quant(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
-    """model.fp8.fake_quant."""
-    return dequant(*fp8.act_quant(x, scale_fmt), x.dtype, bool(scale_fmt))
+    """model.fp8.fake_quant, decoded as :func:`values`."""
+    return routes.fake_quant(x, scale_fmt, routes.converted)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -43,35 +43,45 @@ def code_bits(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return codes.view(torch.int8).to(torch.int32).mul_(1 << 20).bitwise_and_(-0x78100000).view(torch.float32)
 
 
+def converted(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """:func:`dequant` through torch's own conversion of the codes, on any device and with no read
+    back to the host (the GPU's route, and few values here)."""
+    *lead, k = codes.shape
+    form = dtype if pow2 and dtype in (torch.bfloat16, torch.float32) else torch.float32  # exact products
+    values = codes.to(form).reshape(*lead, k // BLOCK, BLOCK) * scale.unsqueeze(-1).to(form)  # (..., K/128, 128)
+    return values.reshape(codes.shape).to(dtype)
+
+
 def dequant(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
     """model.fp8.dequant, bit for bit: to_float(codes) * scale in float32, rounded to ``dtype``.
     ``pow2``: every scale is a power of two (then a bfloat16 result is formed in bfloat16: exact)."""
+    if codes.numel() < _BITS_FROM:  # few values: torch's conversion (exact)
+        return converted(codes, scale, dtype, pow2)
     *lead, k = codes.shape
     s = scale.unsqueeze(-1)  # (..., K/128, 1)
     form = dtype if pow2 and dtype in (torch.bfloat16, torch.float32) else torch.float32  # exact products
-    if codes.numel() < _BITS_FROM:  # few values: torch's conversion (exact)
-        values = codes.to(form).reshape(*lead, k // BLOCK, BLOCK) * s.to(form)
     # act_quant makes a NaN code only in a block whose scale is not a positive finite number (NaN, inf,
     # or -0.0: ue8m0's rounding of NaN); below 2**8 a scale times 2**120 stays finite, and
     # multiplying the scaled-down values by it is one exact step
-    elif dtype in (torch.bfloat16, torch.float32) and bool(((scale > 0) & (scale < 256)).all()):
+    if dtype in (torch.bfloat16, torch.float32) and bool(((scale > 0) & (scale < 256)).all()):
         values = code_bits(codes, form).reshape(*lead, k // BLOCK, BLOCK) * (s * 2.0**120).to(form)
     else:
         values = to_float(codes).reshape(*lead, k // BLOCK, BLOCK) * s
     return values.reshape(codes.shape).to(dtype)
 
 
-def values(r: Rounded, dtype: torch.dtype) -> torch.Tensor:
-    """Rounded.values, decoded as :func:`dequant` does; made once per dtype."""
+def values(r: Rounded, dtype: torch.dtype, decode=dequant) -> torch.Tensor:
+    """Rounded.values, decoded by ``decode`` (:func:`dequant`, or :func:`converted`: the same values);
+    made once per dtype."""
     made = r.made.get(dtype)
     if made is None:
-        made = r.made[dtype] = dequant(r.codes, r.scale, dtype, r.pow2)
+        made = r.made[dtype] = decode(r.codes, r.scale, dtype, r.pow2)
     return made
 
 
-def fake_quant(x: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
-    """model.fp8.fake_quant."""
-    return dequant(*fp8.act_quant(x, scale_fmt), x.dtype, bool(scale_fmt))
+def fake_quant(x: torch.Tensor, scale_fmt: str | None, decode=dequant) -> torch.Tensor:
+    """model.fp8.fake_quant, decoded by ``decode`` (as :func:`values`)."""
+    return decode(*fp8.act_quant(x, scale_fmt), x.dtype, bool(scale_fmt))
 
 
 def weight_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
