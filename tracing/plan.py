@@ -653,13 +653,18 @@ def tier_budgets(
       it, the larger), shared by the ranks on this node (``LOCAL_WORLD_SIZE``); on the CPU, where
       the device tier is host memory too, less the device budget.
 
-    Neither is more than the weights (this rank's part, as held and as stored) can use."""
+    Neither is more than the weights (this rank's part, as held and as stored) can use: as ``load``
+    (decide_load's, for the same rank and settings) counted them, or counted here."""
     import os
 
     device = torch.device(device)
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)  # ranks sharing this node's host memory
     tokens = max(1, min(tokens, source.args.max_seq_len))
-    part = plan_rank(source, rank, world, dtype=dtype, device=device, mtp=mtp, weights_only=True)
+    if load is not None:  # decide_load counted this rank's part already
+        weights, disk = load.weights, load.disk
+    else:
+        part = plan_rank(source, rank, world, dtype=dtype, device=device, mtp=mtp, weights_only=True)
+        weights, disk = part.weights, part.disk
     if device_budget is None:
         counted = load.counted if load is not None and load.counted is not None else None
         if counted is None:
@@ -674,7 +679,7 @@ def tier_budgets(
         host_budget //= local
         if device.type == "cpu":
             host_budget = max(host_budget - device_budget, 0)
-    return min(device_budget, part.weights), min(host_budget, part.disk)
+    return min(device_budget, weights), min(host_budget, disk)
 
 
 def _largest_unit(source: WeightSource) -> int:
