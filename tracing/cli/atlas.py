@@ -68,14 +68,18 @@ def add_parser(sub) -> None:
 
 
 def cmd_atlas(args: argparse.Namespace) -> int:
-    from model.checkpoint import SafetensorsSource
-
     from ..analyses.intervention_specs import from_spec
     from ..atlas import AtlasJob
     from ..atlas.build import shard_fingerprint
     from ..atlas.corpus import Source
     from ..tokenizer import Tokenizer
-    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint, synthetic_with_tokenizer
+    from .loading import (
+        corpus_checkpoint,
+        open_from_args,
+        parse_device,
+        parse_dtype,
+        synthetic_with_tokenizer,
+    )
 
     interventions = tuple(from_spec(intervention_spec(args)))
     if any(getattr(i, "positions", None) is not None for i in interventions):
@@ -92,12 +96,8 @@ def cmd_atlas(args: argparse.Namespace) -> int:
         for flag in ("n_layers", "tokenizer"):
             if getattr(args, flag) is not None:
                 raise InputError(f"--{flag.replace('_', '-')} applies to --synthetic only")
-        directory = resolve_checkpoint(args.checkpoint)
-        config = SafetensorsSource(directory).args  # the config alone: weights load once the texts are checked
-        if not (directory / "tokenizer.json").is_file():
-            raise InputError(f"{directory} has no tokenizer.json: the atlas reads text")
-        tokenizer, label = Tokenizer(directory), "demo" if directory == DEMO else str(directory.resolve())
-        weights = shard_fingerprint(directory)
+        directory, config, label = corpus_checkpoint(args.checkpoint, "the atlas")
+        tokenizer, weights = Tokenizer(directory), shard_fingerprint(directory)
     job = AtlasJob(
         sources,
         tokenizer,

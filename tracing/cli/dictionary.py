@@ -80,7 +80,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..atlas.corpus import Source
     from ..dictionary.train import Settings, TrainJob
     from ..tokenizer import Tokenizer
-    from .loading import DEMO, open_from_args, parse_device, parse_dtype, resolve_checkpoint, synthetic_with_tokenizer
+    from .loading import (
+        corpus_checkpoint,
+        open_from_args,
+        parse_device,
+        parse_dtype,
+        resolve_checkpoint,
+        synthetic_with_tokenizer,
+    )
 
     if not 0 < args.buffer_mb <= 1 << 20:
         raise InputError(f"--buffer-mb {args.buffer_mb}: between 0 and 1048576")
@@ -124,16 +131,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         config, tokenizer_dir = synthetic_with_tokenizer(args)
         tokenizer, label = Tokenizer(tokenizer_dir), f"synthetic:{args.synthetic}"
     else:
-        from model.checkpoint import SafetensorsSource
-
         if args.tokenizer is not None or args.n_layers is not None:
             raise InputError("--tokenizer and --n-layers apply to --synthetic (and --tokenizer to --server)")
-        directory = resolve_checkpoint(args.checkpoint)
-        config = SafetensorsSource(directory).args  # the config alone: weights load once the texts are checked
-        if not (directory / "tokenizer.json").is_file():
-            raise InputError(f"{directory} has no tokenizer.json: training reads text")
-        tokenizer, label = Tokenizer(directory), "demo" if directory == DEMO else str(directory.resolve())
-        weights = shard_fingerprint(directory)
+        directory, config, label = corpus_checkpoint(args.checkpoint, "training")
+        tokenizer, weights = Tokenizer(directory), shard_fingerprint(directory)
     job = TrainJob(sources, tokenizer, config, args.out, settings, label=label, weights=weights)
     if model is None:
         model = open_from_args(args, parse_device(args.device), parse_dtype(args.dtype))

@@ -39,6 +39,17 @@ def synthetic_with_tokenizer(args) -> tuple:
     return config, resolve_checkpoint(args.tokenizer)
 
 
+def corpus_checkpoint(name: str | Path, reads: str) -> tuple[Path, object, str]:
+    """``--checkpoint DIR`` for a command that cuts texts with the checkpoint's tokenizer: the
+    directory, its config alone (the weights load once the texts are checked) and the label its
+    results name it by. ``reads``: who reads the text, for the refusal."""
+    directory = resolve_checkpoint(name)
+    config = SafetensorsSource(directory).args
+    if not (directory / "tokenizer.json").is_file():
+        raise InputError(f"{directory} has no tokenizer.json: {reads} reads text")
+    return directory, config, "demo" if directory == DEMO else str(directory.resolve())
+
+
 def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
