@@ -31,6 +31,9 @@ GENERATED_TIP = r"position \d+ · p = [01]\.\d{3} · most likely: .+ \([01]\.\d{
 ATTRIBUTED_TIP = r"position \d+ · [+-]\d+\.\d{4} through the attention"  # app.topics.attribution
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+# Streamlit loads each kind of widget as its own module on first use: on a busy machine a fresh page's
+# text can show seconds before its widgets, so assertions wait as long as the pages' other waits.
+sync_api.expect.set_options(timeout=120_000)
 if not CHROMIUM.exists():
     pytest.skip("no /usr/bin/chromium (apt-get install chromium); the test never downloads a browser", allow_module_level=True)
 
@@ -103,14 +106,14 @@ def chromium():
 
 
 @contextlib.contextmanager
-def open_page(chromium, server: str):
-    """A page of the app in a fresh browser context (no cookies or storage of another test's; downloads
-    accepted), closed afterwards."""
+def open_page(chromium, server: str, path: str = "/"):
+    """A page of the app (``path``: a page and its query; the Model map by default) in a fresh browser
+    context (no cookies or storage of another test's; downloads accepted), closed afterwards."""
     context = chromium.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
     try:
         page = context.new_page()
         page.set_default_timeout(120_000)
-        page.goto(server)
+        page.goto(f"{server}{path}")
         yield page
     finally:
         context.close()
@@ -171,10 +174,8 @@ def test_trace_a_prompt_in_the_browser(chromium, server):
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # a real browser on a busy 2-core machine
 def test_generate_in_the_browser(chromium, server):
     """The sidebar's Generate control writes tokens; the Generation page draws the coloured text and its plots."""
-    with open_page(chromium, server) as page:
-        page.locator(".js-plotly-plot").first.wait_for()
-        page.get_by_role("link", name="Generation").click()
-        page.get_by_text("This trace only reads its prompt").wait_for()
+    with open_page(chromium, server, "/generation") as page:
+        page.get_by_text("This trace only reads its prompt").wait_for()  # the default prompt, traced on first load
 
         sidebar = page.locator('[data-testid="stSidebar"]')
         tokens = sidebar.get_by_label("Generate", exact=True).and_(sidebar.get_by_test_id("stNumberInputField"))
@@ -205,9 +206,7 @@ def test_generate_in_the_browser(chromium, server):
 def test_attribution_in_the_browser(chromium, server):
     """The Attribution page splits the prediction (its plots and the coloured prompt), then draws the
     contribution graph on the button."""
-    with open_page(chromium, server) as page:
-        page.locator(".js-plotly-plot").first.wait_for()
-        page.get_by_role("link", name="Attribution", exact=True).click()
+    with open_page(chromium, server, "/attribution") as page:
         main = page.locator('[data-testid="stMain"]')
         main.get_by_text("The largest parts of", exact=False).first.wait_for()
         assert_tokens(page.locator(".attributed-token"), 256, ATTRIBUTED_TIP)
@@ -372,8 +371,7 @@ def test_a_link_and_a_reload_reopen_the_same_view(chromium, server):
     from urllib.parse import parse_qs, quote, urlparse
 
     shared = "Anne had not seen Captain"
-    with open_page(chromium, server) as page:
-        page.goto(f"{server}/residual?prompt={quote(shared)}&block=1")
+    with open_page(chromium, server, f"/residual?prompt={quote(shared)}&block=1") as page:
         page.get_by_text(f"“{shared}”").wait_for()  # the page header names the traced prompt
         sync_api.expect(page.locator('[data-testid="stSidebar"] textarea')).to_have_value(shared)
         assert urlparse(page.url).path.endswith("/residual")
