@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import os
 
-from tracing.startup import load_torch
+import pytest
 
-load_torch()  # first: torch's idle OpenMP threads sleep, as under the command line and the app (tracing.startup)
+from tests import rewritten
 
-# isort: split
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from model import TINY  # noqa: E402
-from model.checkpoint import load_model, save_checkpoint  # noqa: E402
-from model.synthetic import SyntheticSource  # noqa: E402
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if session.config.pluginmanager.has_plugin("dsession"):
+        # pytest-xdist's controller runs no test: it loads no torch (seconds on one core while the
+        # other idles) and rewrites the test files' asserts once for the workers
+        rewritten.prepare(session.config)
+        return
+    from tracing.startup import load_torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the workers share the cores: one torch thread each in the main thread, so that no parallel
-    # region waits on a thread another worker's process holds (a test that needs more sets its
-    # own, tests/model/test_threads.py; the values do not depend on the count)
-    torch.set_num_threads(1)
+    load_torch()  # before any test module imports torch: its idle OpenMP threads sleep (tracing.startup)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        # the workers share the cores: one torch thread each in the main thread, so that no parallel
+        # region waits on a thread another worker's process holds (a test that needs more sets its
+        # own, tests/model/test_threads.py; the values do not depend on the count)
+        torch.set_num_threads(1)
+
 
 # The files that take longest (docs/testing.md), started first: pytest-xdist hands each worker a
 # whole file at a time in the order collected (pyproject's --no-loadscope-reorder keeps this order
@@ -50,16 +55,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test draws the same random numbers, whatever ran before it."""
+    import torch
+
     torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session")
-def tiny_source() -> SyntheticSource:
+def tiny_source():
+    from model import TINY
+    from model.synthetic import SyntheticSource
+
     return SyntheticSource(TINY, seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_source):
+    from model.checkpoint import load_model
+
     return load_model(tiny_source)
 
 
@@ -67,12 +79,19 @@ def tiny_model(tiny_source):
 def tiny_checkpoint(tmp_path_factory, tiny_source):
     """The tiny source written in the checkpoint's layout: each tensor in its checkpoint dtype, at
     that dtype's full precision (float32 norm gains are not bfloat16 values)."""
+    from model import TINY
+    from model.checkpoint import save_checkpoint
+
     directory = tmp_path_factory.mktemp("ckpt") / "tiny"
     return save_checkpoint({n: tiny_source.load(n) for n in tiny_source.specs()}, TINY, directory, n_shards=2)
 
 
 @pytest.fixture()
-def tokens() -> torch.Tensor:
+def tokens():
+    import torch
+
+    from model import TINY
+
     return torch.randint(0, TINY.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
 
 
