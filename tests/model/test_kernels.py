@@ -306,31 +306,26 @@ def test_a_model_both_ways_gives_the_same_trace(tiny_model):
         assert same(a[name], b[name]), name
 
 
-def test_plain_switches_every_route_off(tiny_source):
-    """ANATOMY_KERNELS=plain, read once per process: the model computes with plain PyTorch (no copy
-    is kept) and ``info`` says so; an unknown value is ignored and said."""
+def test_plain_switches_every_route_off():
+    """ANATOMY_KERNELS=plain, read once per process: in a fresh one the model computes with plain
+    PyTorch (no copy is kept) and ``info`` says so."""
     code = (
         "import json, torch; from model import TINY, kernels; from model.checkpoint import load_model; "
         "from model.synthetic import SyntheticSource; from model.kernels import weights; "
         "m = load_model(SyntheticSource(TINY, seed=1)); m(torch.tensor([[1, 2, 3]])); "
         "print(json.dumps({'kept': len(weights._KEPT), **kernels.describe()}))"
     )
-    settings = ("plain", "fast")  # off, and an unknown value (the routes on, and said); "cpu" is every other test's default
-    procs = [  # fresh processes at once
-        subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={"ANATOMY_KERNELS": setting, "PATH": "/usr/bin:/bin"},
-        )
-        for setting in settings
-    ]
-    for setting, proc in zip(settings, procs, strict=True):
-        printed, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, setting
-        out = json.loads(printed)
-        if setting == "plain":
-            assert out["kept"] == 0 and out["cpu_kernels"] == "plain PyTorch (ANATOMY_KERNELS=plain)"
-        else:
-            assert out["kept"] > 0 and out["cpu_kernels"].startswith("CPU routes")
-            assert ("'fast' ignored" in out["cpu_kernels"]) == (setting == "fast")
+    env = {"ANATOMY_KERNELS": "plain", "PATH": "/usr/bin:/bin"}
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout)
+    assert out["kept"] == 0 and out["cpu_kernels"] == "plain PyTorch (ANATOMY_KERNELS=plain)"
+
+
+def test_an_unknown_setting_keeps_the_routes_and_is_said(env_read_once, tiny_model):
+    env_read_once(kernels.ENV, "fast", kernels.setting)
+    assert kernels.enabled()
+    with torch.inference_mode():
+        tiny_model(torch.tensor([[1, 2, 3]]))
+    assert (
+        weights._KEPT
+        and kernels.describe()["cpu_kernels"] == "CPU routes (model.kernels); ANATOMY_KERNELS='fast' ignored: say plain"
+    )
