@@ -46,6 +46,7 @@ def evaluate(
     batch_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     interventions: Sequence = (),
+    device: torch.device | None = None,
 ) -> dict:
     """Score ``text`` with ``model`` (a :class:`model.transformer.Transformer`).
 
@@ -56,7 +57,8 @@ def evaluate(
     ``interventions`` (tracing.analyses.interventions: ablated experts, no correction bias, another
     index_topk, ...) apply to every window: the loss under an intervention. Returns tokens, mean_nll
     (nats per token), perplexity, top1_accuracy and bits_per_byte, with bytes, context and stride
-    (and the interventions, described).
+    (and the interventions, described). ``device``: where the inputs go (default: the parameters'
+    device; a streamed model's parameters are on the meta device, so its loader says where it runs).
     """
     if not text:
         raise InputError("evaluate: the text is empty")
@@ -81,7 +83,7 @@ def evaluate(
     if not 0 < stride <= context:
         raise InputError(f"evaluate: stride must be between 1 and the context ({context})")
 
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     if batch_size is None:
         batch_size = max(1, min(8, LOGITS_BUDGET // (context * int(model.args.vocab_size))))
     windows = _windows(len(targets), context, stride)

@@ -7,11 +7,12 @@ difference with its bootstrap interval (tracing.analyses.prompt_sets), here or o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from ..errors import InputError
 from .inputs import add_intervention_flags, intervention_spec, named_path, regular_file
-from .loading import open_checkpoint, parse_device, parse_dtype
+from .loading import add_device_options, open_from_args, parse_device, parse_dtype
 from .sets import add_set_options
 
 WHOLE_TEXT = (  # why --text-file runs on a model loaded here only
@@ -36,8 +37,7 @@ def add_parser(sub) -> None:
     )
     ev.add_argument("--csv", type=named_path, help="with --prompts: the tables eval and eval_prompts into this directory")
     ev.add_argument("--parquet", action="store_true", help="with --csv: Parquet files too")
-    ev.add_argument("--device", default="cpu")
-    ev.add_argument("--dtype", default="bfloat16")
+    add_device_options(ev)
     add_intervention_flags(ev, positions=False)
     ev.add_argument(
         "--graph",
@@ -46,8 +46,8 @@ def add_parser(sub) -> None:
         help="with --prompts: an intervention graph (docs/graphs.md) the changed runs apply, alone or with the flags",
     )
     add_set_options(ev)
-    # what the shared loader reads of the commands that take --synthetic and --stream (tracing.cli.patching._runner)
-    ev.set_defaults(func=cmd_eval, synthetic=None, n_layers=None, stream=False, no_mtp=False, inexact_fp8_sums=False)
+    # what the shared loader reads of the commands that take --synthetic (tracing.cli.loading.open_from_args)
+    ev.set_defaults(func=cmd_eval, synthetic=None, n_layers=None)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -75,10 +75,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     interventions = from_spec(intervention_spec(args))
     if any(getattr(i, "positions", None) is not None for i in interventions):
         raise InputError("eval: a removal acts at every position of every window (LAYER:ID@P applies to run)")
-    loaded = open_checkpoint(args.checkpoint, parse_device(args.device), parse_dtype(args.dtype))
+    if args.token_file is not None:
+        raise InputError("--token-file applies to --server")
+    loaded = open_from_args(args, parse_device(args.device), parse_dtype(args.dtype))
     if loaded.tokenizer is None:
         raise InputError(f"{loaded.label} has no tokenizer.json: eval needs one")
-    print(json.dumps(evaluate(loaded.model, loaded.tokenizer, text, interventions=interventions), allow_nan=False))
+    with loaded.context() or contextlib.nullcontext():  # streamed: every batch's forward reads the blocks again
+        result = evaluate(loaded.model, loaded.tokenizer, text, interventions=interventions, device=loaded.device)
+    print(json.dumps(result, allow_nan=False))
     return 0
 
 

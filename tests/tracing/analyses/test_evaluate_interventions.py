@@ -44,3 +44,16 @@ def test_eval_takes_the_intervention_flags(app_checkpoint, tmp_path, capsys):
     assert changed["interventions"] == ["ablate 1:0", "dense attention"] and changed["mean_nll"] != plain["mean_nll"]
     assert main([*base, "--zero-experts", "1:0@3"]) == 2
     assert "applies to run" in capsys.readouterr().err
+
+
+def test_eval_streamed_scores_as_the_loaded_model(app_checkpoint, tmp_path, capsys):
+    """``eval --stream`` (the 671B on one GPU): every batch's forward reads the blocks again, nothing
+    kept between passes here, and the scores are the loaded model's, over several windows."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join([TEXT] * 16), encoding="utf-8")  # about 300 tokens: two windows of the demo's 256
+    base = ["eval", "--checkpoint", app_checkpoint, "--text-file", str(text), "--ablate-experts", "1:0"]
+    assert main(base) == 0
+    loaded = json.loads(capsys.readouterr().out)
+    assert main([*base, "--stream", "--device-budget", "0", "--host-budget", "0"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed == loaded and loaded["tokens"] > loaded["context"]
