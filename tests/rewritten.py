@@ -31,6 +31,8 @@ def prepare(config) -> None:
         return
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores = max(1, min(usable, len(todo)))
+    if "fork" not in multiprocessing.get_all_start_methods():  # Windows: the workers rewrite, as before
+        return
     fork = multiprocessing.get_context("fork")
     children = [fork.Process(target=_rewrite, args=(config, todo[i::cores]), daemon=True) for i in range(cores)]
     for child in children:
