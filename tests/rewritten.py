@@ -3,7 +3,7 @@
 pytest rewrites every ``assert`` of a test file (and of a conftest) to explain its failures, and keeps
 the rewritten code in ``__pycache__``. Each worker collects every file, so on a fresh checkout, or
 with ``PYTHONDONTWRITEBYTECODE`` set, each of the three rewrote all of them: about 7 CPU-seconds a
-worker on the 2-core machine, a tenth of the start-up. xdist's controller runs no test; before it
+worker on the 2-core machine, half of its collection. xdist's controller runs no test; before it
 starts the workers it rewrites the files on as many processes as there are cores (forked: nothing
 to import again) and keeps them where pytest looks, so the workers read them. Where pytest's
 private functions differ (another version), nothing is kept and the workers rewrite as before.
@@ -20,6 +20,8 @@ TESTS = Path(__file__).resolve().parent
 
 def prepare(config) -> None:
     """Rewrite, on the cores, the files not kept already; a failure leaves the rest to the workers."""
+    if "fork" not in multiprocessing.get_all_start_methods():  # Windows: the workers rewrite, as before
+        return
     try:
         from _pytest.assertion import rewrite
 
@@ -31,8 +33,6 @@ def prepare(config) -> None:
         return
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores = max(1, min(usable, len(todo)))
-    if "fork" not in multiprocessing.get_all_start_methods():  # Windows: the workers rewrite, as before
-        return
     fork = multiprocessing.get_context("fork")
     children = [fork.Process(target=_rewrite, args=(config, todo[i::cores]), daemon=True) for i in range(cores)]
     for child in children:
